@@ -1,0 +1,5 @@
+"""`python -m disaggpool` is the `disaggpool` command."""
+
+from disaggpool.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The `disaggpool` command: one entry point, one subcommand per job.
+
+    disaggpool sim paper [--quick] [--json FILE] [--plots DIR] [--workers N]
+    disaggpool sim run --scenario FILE [--json FILE] [--workers N]
+    disaggpool profile list
+    disaggpool profile show NAME|FILE [--format yaml|json]
+
+Exit codes: 0 success, 2 bad input (the message names the file or argument and the field),
+1 anything unexpected. Later issues add `calibrate`, `emulate`, `sidecar`, `loadgen`, `demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from disaggpool import __version__
+from disaggpool.errors import InputError
+
+__all__ = ["main"]
+
+
+def _progress(desc: str) -> Any:
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+        if done == total:
+            bar.close()
+
+    return update
+
+
+def _write_json(doc: Any, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def cmd_sim_paper(args: argparse.Namespace) -> int:
+    from disaggpool.sim import paper
+
+    cfg = paper.PaperConfig.quick() if args.quick else paper.PaperConfig()
+    start = time.perf_counter()
+    doc = paper.run_paper(cfg, workers=args.workers, progress=_progress("sim paper"))
+    print(paper.tables(doc))
+    print(
+        f"({len([r for rows in doc['experiments'].values() for r in rows])} rows in "
+        f"{time.perf_counter() - start:.1f} s)",
+        file=sys.stderr,
+    )
+    _write_json(doc, args.json)
+    if args.plots:
+        from disaggpool.sim import plots
+
+        for path in plots.write_plots(doc, Path(args.plots)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_sim_run(args: argparse.Namespace) -> int:
+    from disaggpool.sim import paper
+    from disaggpool.sim.runner import run_all
+    from disaggpool.sim.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    rows = run_all(scenario.specs(), workers=args.workers, progress=_progress("sim run"))
+    doc = {"experiments": {"run": rows}}
+    print(
+        paper._render(
+            f"run: {scenario.name}",
+            [
+                {
+                    k: r[k]
+                    for k in ("policy", "seed", "goodput", "ttft_p99_s", "tpot_p99_s", "requests")
+                }
+                for r in rows
+            ],
+        )
+    )
+    _write_json(doc, args.json)
+    return 0
+
+
+def cmd_profile_list(args: argparse.Namespace) -> int:
+    from disaggpool.core.hardware import BUILTIN_PROFILES
+
+    for name, p in BUILTIN_PROFILES.items():
+        print(f"{name:28s} {p.source:9s} {p.gpu:5s} {p.model}")
+    return 0
+
+
+def cmd_profile_show(args: argparse.Namespace) -> int:
+    from disaggpool.formats.profiles import dump_profile, resolve_profile
+
+    sys.stdout.write(dump_profile(resolve_profile(args.name), args.format))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disaggpool", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"disaggpool {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("sim", help="discrete-event simulator").add_subparsers(
+        dest="sim_command", required=True
+    )
+    p = sim.add_parser("paper", help="reproduce the 'Calibrate, Then Route' experiments")
+    p.add_argument("--quick", action="store_true", help="every experiment, small (under a minute)")
+    p.add_argument("--json", metavar="FILE", help="write all rows as JSON")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots of the sweeps")
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: CPU count)"
+    )
+    p.set_defaults(func=cmd_sim_paper)
+    r = sim.add_parser("run", help="simulate one scenario file")
+    r.add_argument("--scenario", required=True, metavar="FILE")
+    r.add_argument("--json", metavar="FILE")
+    r.add_argument("--workers", type=int, default=None)
+    r.set_defaults(func=cmd_sim_run)
+
+    prof = sub.add_parser("profile", help="built-in hardware profiles").add_subparsers(
+        dest="profile_command", required=True
+    )
+    prof.add_parser("list", help="list built-in profiles").set_defaults(func=cmd_profile_list)
+    s = prof.add_parser("show", help="print a profile in the file format")
+    s.add_argument("name", help="built-in name or profile file")
+    s.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    s.set_defaults(func=cmd_profile_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "workers", None) is not None and args.workers < 1:
+        parser.error("--workers: must be at least 1")  # exits 2
+    try:
+        return int(args.func(args))
+    except InputError as exc:
+        print(f"disaggpool: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,109 @@
+"""Typed contracts shared by the scorer, the simulator and (later) the sidecar.
+
+* `SLOClass`: a request class with its TTFT and TPOT targets.
+* `RequestFeatures`: what the router knows about one request when it routes it.
+* `InstanceSnapshot` / `PoolSnapshot`: what the router knows about each instance at that moment:
+  scraped engine gauges (running, waiting, KV tokens in use) plus its own accounting of the
+  requests it sent there and has not seen finish.
+* `RouteDecision`: the chosen (prefill, decode) pair with the predictions that justified it.
+
+All are frozen, slotted dataclasses: cheap to build on the hot path and safe to share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+from disaggpool.core.profile import CalibrationProfile
+
+__all__ = [
+    "InstanceSnapshot",
+    "PoolSnapshot",
+    "RequestFeatures",
+    "Role",
+    "RouteDecision",
+    "SLOClass",
+]
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SLOClass:
+    """A request class: a request meets its SLO when TTFT <= ttft_s and TPOT <= tpot_s."""
+
+    name: str
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, ttft: float, tpot: float) -> bool:
+        return ttft <= self.ttft_s and tpot <= self.tpot_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """One request as the router sees it: exact prompt length, predicted output, SLO class."""
+
+    request_id: str
+    prompt_tokens: int
+    predicted_output_tokens: float
+    output_uncertainty: float
+    slo: SLOClass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InstanceSnapshot:
+    """One instance at decision time.
+
+    Scraped from the engine: `running`, `waiting`, `kv_tokens_used`.
+    The router's own accounting of requests it sent here and has not seen finish:
+    `inflight` (all stages), `queued` and `queued_tokens` (not yet started here: for a prefill
+    instance not yet prefilled, for a decode instance not yet decoding), `queued_sq_tokens`
+    (sum of squared prompt lengths of the queued ones), `remaining_output_tokens` (sum of their
+    predicted remaining output tokens) and `tpot_targets` (the TPOT targets of the in-flight
+    requests as ``(target seconds, count)`` pairs, so the scorer can tell whom a slowdown hurts).
+    `profile` is the calibration profile the router believes for this instance, or None.
+    """
+
+    name: str
+    role: Role
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    inflight: int = 0
+    queued: int = 0
+    queued_tokens: int = 0
+    queued_sq_tokens: float = 0.0
+    remaining_output_tokens: float = 0.0
+    tpot_targets: tuple[tuple[float, int], ...] = ()
+    healthy: bool = True
+    profile: CalibrationProfile | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """All instances of one pool at time `now` (seconds, any epoch)."""
+
+    now: float
+    prefill: Sequence[InstanceSnapshot]
+    decode: Sequence[InstanceSnapshot]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where one request goes and what the scorer expected to happen there.
+
+    `slo_feasible` is None when the policy did not evaluate the SLO, False when the scorer found no
+    instance on which the class target can be met (the request was then placed to protect
+    others), True otherwise. `guarded` says the scarcity guard overrode the cheapest instance.
+    """
+
+    prefill: str
+    decode: str
+    policy: str
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    slo_feasible: bool | None = None
+    guarded: bool = False

@@ -1,0 +1,114 @@
+"""Cost model: the additional completion time of admitting one request on one instance.
+
+Pure arithmetic over (request features, instance snapshot, profile): no I/O, no clock. The
+formulas, with the reasoning behind each term, are written down in COSTMODEL.md next to this file;
+the symbols there are the local variable names here. Called by `core.policies` (the calibrated
+policies, and the baselines to report predictions), hence by the simulator and the sidecar alike.
+
+The code is written for speed (one decision must cost microseconds): plain floats, locals, no
+allocation beyond the returned tuples.
+"""
+
+from __future__ import annotations
+
+import math
+
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
+from disaggpool.core.profile import CalibrationProfile
+
+__all__ = ["DecodeEstimate", "decode_estimate", "prefill_ready_time"]
+
+#: Fraction of the KV capacity kept free before admission waits (vLLM keeps a watermark too).
+KV_HEADROOM = 0.02
+
+DecodeEstimate = tuple[float, float, float, float, int]
+"""(additional completion time, predicted TTFT, predicted TPOT, harm to others in seconds,
+number of in-flight requests whose TPOT target the added step time would break)."""
+
+
+def prefill_ready_time(
+    req: RequestFeatures, inst: InstanceSnapshot, prof: CalibrationProfile
+) -> float:
+    """Seconds until `req`'s prompt is prefilled on `inst`: its queue, then itself (FCFS).
+
+    The queue is the router's own prompt tokens not yet prefilled there, or the scraped
+    `waiting` count priced at this request's length when another client fed the instance.
+    """
+    n = req.prompt_tokens
+    q_tokens = inst.queued_tokens
+    q_sq = inst.queued_sq_tokens
+    if inst.waiting > inst.queued:  # work the router did not send itself
+        extra = inst.waiting - inst.queued
+        q_tokens += extra * n
+        q_sq += extra * n * n
+    tokens = q_tokens + n + inst.running * n * 0.5  # a batch in progress is half done on average
+    pf = prof.prefill
+    iterations = math.ceil(tokens / prof.max_num_batched_tokens)
+    return iterations * pf.p0 + pf.p1 * tokens + pf.p2 * (q_sq + n * n)
+
+
+def decode_estimate(
+    req: RequestFeatures,
+    inst: InstanceSnapshot,
+    prof: CalibrationProfile,
+    prefill_ready_s: float,
+) -> DecodeEstimate:
+    """Additional completion time of admitting `req` on decode instance `inst` (COSTMODEL.md)."""
+    n = req.prompt_tokens
+    o = req.predicted_output_tokens if req.predicted_output_tokens > 1.0 else 1.0
+    dm = prof.decode
+    cap = prof.kv_capacity_tokens * (1.0 - KV_HEADROOM)
+    max_seqs = prof.max_num_seqs
+
+    # Sequences and KV tokens that will be on the instance before this request.
+    queued = inst.queued if inst.queued > inst.waiting else inst.waiting
+    b_ahead = inst.running + queued
+    k_ahead = inst.kv_tokens_used + inst.queued_tokens
+    r_bar = inst.remaining_output_tokens / b_ahead if b_ahead else o  # mean remaining output
+
+    b_join = b_ahead + 1
+    b_run = b_join if b_join < max_seqs else max_seqs
+    growth = (o if o < r_bar else r_bar) * 0.5  # context each sequence gains while r overlaps
+    k_mid = k_ahead + n + b_run * growth
+    if k_mid > cap:
+        k_mid = cap
+    tau = dm.d0 + dm.d1 * b_run + dm.d2 * k_mid  # step time of the batch r joins
+
+    # Whose TPOT target the extra step time breaks: in-flight requests meeting theirs without r.
+    slo_harm = 0
+    if inst.tpot_targets:
+        b_before = b_ahead if b_ahead < max_seqs else max_seqs
+        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * min(cap, k_ahead + b_before * growth)
+        for target, count in inst.tpot_targets:
+            if tau_before <= target < tau:
+                slo_harm += count
+
+    # Admission wait: requests that must finish before r gets a slot and its KV blocks.
+    excess_seqs = b_join - max_seqs
+    avg_ctx = k_ahead / b_ahead if b_ahead else n
+    excess_tokens = (k_ahead + n - cap) / (avg_ctx if avg_ctx > 1.0 else 1.0)
+    must_finish = excess_seqs if excess_seqs > excess_tokens else excess_tokens
+    wait = 0.0
+    if must_finish > 0.0:
+        b_now = b_ahead if b_ahead < max_seqs else max_seqs
+        wait = must_finish * r_bar * tau / (b_now if b_now else 1)
+
+    # Slowdown r imposes on the sequences already there while they overlap.
+    overlap = o if o < r_bar else r_bar
+    harm = (b_run - 1) * (dm.d1 + dm.d2 * (n + 0.5 * o)) * overlap
+
+    # Preemption risk: the KV peak while r runs against the capacity, under output uncertainty.
+    peak = k_ahead + n + b_run * min(o + req.output_uncertainty, r_bar)
+    spread = req.output_uncertainty * math.sqrt(b_run) + prof.block_size
+    z = (peak - cap) / spread
+    if z > -4.0:
+        p_over = 0.5 * math.erfc(-z * 0.7071067811865476)
+        recompute = prof.prefill.prompt_time(n + int(0.5 * o))
+        penalty = p_over * (recompute + 0.5 * o * tau)
+        harm += penalty
+    else:
+        penalty = 0.0
+
+    ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + tau
+    act = wait + o * tau + harm
+    return act, ttft, tau + penalty / o, harm, slo_harm

@@ -1,0 +1,156 @@
+"""The calibrated policy: least additional completion time, within SLOs and a load bound.
+
+For each request:
+
+1. Prefill: the instance where the prompt is prefilled soonest (queue + own prefill time).
+2. Decode: for every healthy decode instance, the cost model's additional completion time (ACT),
+   predicted TTFT (including that prefill and the KV transfer) and TPOT.
+3. Among instances allowed by the scarcity guard, the one with the fewest expected SLO
+   violations wins, ties broken by ACT. The violations counted are the request's own (predicted
+   TTFT or TPOT over its class target) plus those of the in-flight requests there whose TPOT target
+   lies between the step time without and with this request (they were on course and it would
+   push them over). Goodput counts requests, so when a class cannot be met anywhere the request
+   goes where it breaks nobody else's SLO: in a burst the overflow lands on an instance that is
+   already late rather than spreading lateness over every instance. The decision then says
+   `slo_feasible=False`.
+
+**Scarcity guard (bounded load).** Greedy ACT minimisation trusts its estimates most exactly when
+they are worst: when the pool is overloaded, every instance has a long admission queue, the queue
+estimates are at their least accurate, and small differences steer a stream of requests onto one
+instance. The guard caps each decode instance's in-flight count at ``(1 + slack)`` times its fair
+share of all in-flight requests, the share weighted by its calibrated decode throughput. Under
+light load the cap rarely binds and the cost model decides; under scarcity every instance sits
+near its cap and the policy degenerates gracefully to capacity-weighted spreading, which is what
+blind spreading does well. This is "consistent hashing with bounded loads" applied to cost
+minimisation. `slack=None` disables it (the greedy variant used to show the failure mode).
+
+**Missing profiles.** An instance without a trusted profile is scored with the median trusted
+profile of its pool, and the decision is tagged ``calibrated(fallback)``; with no trusted profile
+at all the policy routes least-loaded and tags ``calibrated(no-profile)``. Never a silent default.
+
+`uncalibrated` is the same scorer fed fixed datasheet profiles instead of the calibrated ones.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+
+from disaggpool.core import costmodel
+from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
+from disaggpool.core.policies.base import healthy
+from disaggpool.core.policies.baselines import LeastLoaded
+from disaggpool.core.profile import CalibrationProfile
+
+__all__ = ["CalibratedPolicy"]
+
+#: Reference batch for the throughput weight of the guard: 32 sequences of 1024 context tokens.
+_REF_SEQS = 32
+_REF_CONTEXT = 32 * 1024
+
+
+def _median_profile(instances: Sequence[InstanceSnapshot]) -> CalibrationProfile | None:
+    trusted = sorted(
+        (i.profile for i in instances if i.profile is not None and i.profile.trusted),
+        key=lambda p: p.decode.step(_REF_SEQS, _REF_CONTEXT) + p.prefill.prompt_time(1024),
+    )
+    return trusted[len(trusted) // 2] if trusted else None
+
+
+class CalibratedPolicy:
+    """Cost-model routing (see module docstring). `profiles` overrides per-instance profiles."""
+
+    def __init__(
+        self,
+        name: str = "calibrated",
+        *,
+        guard_slack: float | None = 0.5,
+        profiles: Mapping[str, CalibrationProfile] | None = None,
+    ) -> None:
+        self.name = name
+        self.guard_slack = guard_slack
+        self._override = profiles
+        self._fallback = LeastLoaded()
+
+    def _profiles(
+        self, instances: Sequence[InstanceSnapshot]
+    ) -> tuple[list[CalibrationProfile | None], bool]:
+        """Per-instance profile to score with, and whether any fallback was used."""
+        if self._override is not None:
+            got = [self._override.get(i.name) for i in instances]
+            return got, any(p is None for p in got)
+        got = [
+            i.profile if i.profile is not None and i.profile.trusted else None for i in instances
+        ]
+        if all(p is not None for p in got):
+            return got, False
+        median = _median_profile(instances)
+        return [p if p is not None else median for p in got], True
+
+    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
+        prefills = healthy(pool.prefill, "prefill")
+        decodes = healthy(pool.decode, "decode")
+        p_profiles, p_fallback = self._profiles(prefills)
+        d_profiles, d_fallback = self._profiles(decodes)
+        if any(p is None for p in p_profiles) or any(p is None for p in d_profiles):
+            d = self._fallback.route(req, pool, rng)
+            return RouteDecision(d.prefill, d.decode, f"{self.name}(no-profile)")
+        tag = f"{self.name}(fallback)" if p_fallback or d_fallback else self.name
+
+        # 1. Prefill: soonest ready.
+        best_p = 0
+        best_ready = math.inf
+        for idx, inst in enumerate(prefills):
+            ready = costmodel.prefill_ready_time(req, inst, p_profiles[idx])  # type: ignore[arg-type]
+            if ready < best_ready:
+                best_p, best_ready = idx, ready
+
+        # 2. Decode: fewest expected SLO violations (r's own, plus the in-flight requests whose
+        #    TPOT target r's extra step time would break), then least additional completion time;
+        #    only among instances the bounded-load guard allows.
+        allowed = self._allowed(decodes, d_profiles)  # type: ignore[arg-type]
+        slo = req.slo
+        best = -1
+        best_key = (math.inf, math.inf)
+        cheapest_any = -1
+        cheapest_any_key = (math.inf, math.inf)
+        estimates: list[costmodel.DecodeEstimate] = []
+        for idx, inst in enumerate(decodes):
+            est = costmodel.decode_estimate(req, inst, d_profiles[idx], best_ready)  # type: ignore[arg-type]
+            estimates.append(est)
+            act, ttft, tpot, _, slo_harm = est
+            own_miss = 0 if ttft <= slo.ttft_s and tpot <= slo.tpot_s else 1
+            key = (float(slo_harm + own_miss), act)
+            if key < cheapest_any_key:
+                cheapest_any, cheapest_any_key = idx, key
+            if allowed[idx] and key < best_key:
+                best, best_key = idx, key
+        _, ttft, tpot, _, _ = estimates[best]
+        return RouteDecision(
+            prefill=prefills[best_p].name,
+            decode=decodes[best].name,
+            policy=tag,
+            predicted_ttft_s=ttft,
+            predicted_tpot_s=tpot,
+            slo_feasible=ttft <= slo.ttft_s and tpot <= slo.tpot_s,
+            guarded=best != cheapest_any,
+        )
+
+    def _allowed(
+        self, decodes: Sequence[InstanceSnapshot], profiles: Sequence[CalibrationProfile]
+    ) -> list[bool]:
+        if self.guard_slack is None or len(decodes) == 1:
+            return [True] * len(decodes)
+        weights = [_REF_SEQS / p.decode.step(_REF_SEQS, _REF_CONTEXT) for p in profiles]
+        total_w = sum(weights)
+        total = sum(i.inflight for i in decodes) + 1
+        factor = (1.0 + self.guard_slack) * total / total_w
+        allowed = [
+            inst.inflight + 1 <= max(1.0, math.ceil(factor * w))
+            for inst, w in zip(decodes, weights, strict=True)
+        ]
+        if not any(allowed):  # cannot happen with slack >= 0, but never leave the request homeless
+            loads = [inst.inflight / w for inst, w in zip(decodes, weights, strict=True)]
+            allowed[loads.index(min(loads))] = True
+        return allowed

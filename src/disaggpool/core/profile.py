@@ -1,0 +1,267 @@
+"""CalibrationProfile: the constants that describe one vLLM instance's speed and memory.
+
+Everything that predicts or simulates time reads a profile: the cost model (what the router
+*believes*), the simulator's engine model (what the hardware *does*), and later the emulator and the
+calibration probe (which writes one). This module is pure: it builds and validates profiles from
+plain mappings; reading and writing files is `disaggpool.formats.profiles`.
+
+The formulas (seconds; token counts are integers):
+
+* prefill iteration over chunks c_i of prompt tokens, chunk i starting at offset o_i:
+  ``p0 + p1 * sum(c_i) + p2 * sum((o_i + c_i)**2 - o_i**2)``; for whole prompts of lengths n_i
+  this is ``p0 + p1 * sum(n_i) + p2 * sum(n_i**2)`` (DistServe's functional form);
+* decode step with B running sequences holding K context tokens in total: ``d0 + d1 * B + d2 * K``;
+* KV transfer of n prompt tokens: ``k0 + n * bytes_per_token / bandwidth_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from disaggpool.errors import InputError
+
+__all__ = [
+    "QUALITIES",
+    "SOURCES",
+    "CalibrationProfile",
+    "DecodeModel",
+    "KVTransferModel",
+    "PrefillModel",
+    "profile_from_dict",
+    "profile_to_dict",
+]
+
+SCHEMA_VERSION = 1
+SOURCES = ("builtin", "datasheet", "probe", "user")
+QUALITIES = ("good", "fair", "poor", "unknown")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillModel:
+    """Prefill iteration time: p0 + p1 * tokens + p2 * sum of squared lengths (seconds)."""
+
+    p0: float
+    p1: float
+    p2: float
+
+    def time(self, tokens: int, sum_sq: float) -> float:
+        return self.p0 + self.p1 * tokens + self.p2 * sum_sq
+
+    def prompt_time(self, n: int) -> float:
+        """One whole prompt of n tokens alone in an iteration."""
+        return self.p0 + self.p1 * n + self.p2 * n * n
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """Decode step time: d0 + d1 * running sequences + d2 * context tokens (seconds)."""
+
+    d0: float
+    d1: float
+    d2: float
+
+    def step(self, running: int, context_tokens: float) -> float:
+        return self.d0 + self.d1 * running + self.d2 * context_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVTransferModel:
+    """Time to move the KV cache of n prompt tokens from a prefill to a decode instance."""
+
+    k0: float
+    bytes_per_token: float
+    bandwidth_bytes_per_s: float
+
+    def time(self, tokens: int) -> float:
+        return self.k0 + tokens * self.bytes_per_token / self.bandwidth_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CalibrationProfile:
+    """Per-instance constants plus where they came from and how far to trust them."""
+
+    name: str
+    prefill: PrefillModel
+    decode: DecodeModel
+    kv_transfer: KVTransferModel
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int = 16
+    max_model_len: int = 8192
+    gpu: str = ""
+    model: str = ""
+    source: str = "user"
+    quality: str = "unknown"
+    fitted_at: str = ""
+    ttft_mape: float | None = None
+    tpot_mape: float | None = None
+    notes: str = ""
+
+    @property
+    def trusted(self) -> bool:
+        """A profile the router may score with (a `poor` fit is never trusted)."""
+        return self.quality in ("good", "fair")
+
+    def scaled(self, speed: float, name: str | None = None) -> CalibrationProfile:
+        """The same hardware running `speed` times as fast (compute terms only, not memory)."""
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        inv = 1.0 / speed
+        return dataclasses.replace(
+            self,
+            name=name or self.name,
+            prefill=PrefillModel(
+                self.prefill.p0 * inv, self.prefill.p1 * inv, self.prefill.p2 * inv
+            ),
+            decode=DecodeModel(self.decode.d0 * inv, self.decode.d1 * inv, self.decode.d2 * inv),
+        )
+
+
+# ----------------------------------------------------------------------------- dict <-> profile
+
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "prefill": ("p0", "p1", "p2"),
+    "decode": ("d0", "d1", "d2"),
+    "kv_transfer": ("k0", "bytes_per_token", "bandwidth_bytes_per_s"),
+}
+_POSITIVE = {"bytes_per_token", "bandwidth_bytes_per_s"}
+_INTS = (
+    "kv_capacity_tokens",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "max_model_len",
+)
+_REQUIRED_INTS = ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _number(value: Any, path: str, source: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(source, path, f"must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (positive and x == 0):
+        raise InputError(
+            source,
+            path,
+            f"must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}",
+        )
+    return x
+
+
+def _integer(value: Any, path: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(source, path, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _section(data: Mapping[str, Any], key: str, source: str) -> dict[str, float]:
+    raw = data.get(key)
+    if not isinstance(raw, Mapping):
+        raise InputError(source, key, "missing or not a mapping")
+    out = {}
+    for f in _FIELDS[key]:
+        if f not in raw:
+            raise InputError(source, f"{key}.{f}", "missing")
+        out[f] = _number(raw[f], f"{key}.{f}", source, positive=f in _POSITIVE)
+    unknown = set(raw) - set(_FIELDS[key])
+    if unknown:
+        raise InputError(source, f"{key}.{sorted(unknown)[0]}", "unknown field")
+    return out
+
+
+def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfile:
+    """Validate a mapping (parsed YAML/JSON) into a profile; errors name `source` and the field."""
+    if not isinstance(data, Mapping):
+        raise InputError(source, "<root>", "a profile must be a mapping")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise InputError(
+            source, "schema_version", f"unsupported version {version!r} (expected {SCHEMA_VERSION})"
+        )
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputError(source, "name", "missing or not a non-empty string")
+    ints: dict[str, int] = {}
+    for key in _INTS:
+        if key in data:
+            ints[key] = _integer(data[key], key, source)
+        elif key in _REQUIRED_INTS:
+            raise InputError(source, key, "missing")
+    meta = data.get("metadata") or {}
+    if not isinstance(meta, Mapping):
+        raise InputError(source, "metadata", "must be a mapping")
+    src = meta.get("source", "user")
+    if src not in SOURCES:
+        raise InputError(
+            source, "metadata.source", f"must be one of {', '.join(SOURCES)}, got {src!r}"
+        )
+    quality = meta.get("quality", "unknown")
+    if quality not in QUALITIES:
+        raise InputError(
+            source, "metadata.quality", f"must be one of {', '.join(QUALITIES)}, got {quality!r}"
+        )
+    errors = {}
+    for key in ("ttft_mape", "tpot_mape"):
+        if meta.get(key) is not None:
+            errors[key] = _number(meta[key], f"metadata.{key}", source)
+    known = {
+        "schema_version",
+        "name",
+        "gpu",
+        "model",
+        "prefill",
+        "decode",
+        "kv_transfer",
+        "metadata",
+        *_INTS,
+    }
+    unknown = set(data) - known
+    if unknown:
+        raise InputError(source, sorted(unknown)[0], "unknown field")
+    return CalibrationProfile(
+        name=name,
+        prefill=PrefillModel(**_section(data, "prefill", source)),
+        decode=DecodeModel(**_section(data, "decode", source)),
+        kv_transfer=KVTransferModel(**_section(data, "kv_transfer", source)),
+        gpu=str(data.get("gpu", "")),
+        model=str(data.get("model", "")),
+        source=src,
+        quality=quality,
+        fitted_at=str(meta.get("fitted_at", "")),
+        notes=str(meta.get("notes", "")),
+        ttft_mape=errors.get("ttft_mape"),
+        tpot_mape=errors.get("tpot_mape"),
+        **ints,
+    )
+
+
+def profile_to_dict(p: CalibrationProfile) -> dict[str, Any]:
+    """The file form of a profile (inverse of `profile_from_dict`)."""
+    meta: dict[str, Any] = {"source": p.source, "quality": p.quality}
+    if p.fitted_at:
+        meta["fitted_at"] = p.fitted_at
+    if p.ttft_mape is not None:
+        meta["ttft_mape"] = p.ttft_mape
+    if p.tpot_mape is not None:
+        meta["tpot_mape"] = p.tpot_mape
+    if p.notes:
+        meta["notes"] = p.notes
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": p.name,
+        "gpu": p.gpu,
+        "model": p.model,
+        "prefill": dataclasses.asdict(p.prefill),
+        "decode": dataclasses.asdict(p.decode),
+        "kv_transfer": dataclasses.asdict(p.kv_transfer),
+        "kv_capacity_tokens": p.kv_capacity_tokens,
+        "max_num_seqs": p.max_num_seqs,
+        "max_num_batched_tokens": p.max_num_batched_tokens,
+        "block_size": p.block_size,
+        "max_model_len": p.max_model_len,
+        "metadata": meta,
+    }

@@ -1,0 +1,273 @@
+"""Engine model of one vLLM decode instance: continuous batching advanced analytically.
+
+Requests arrive with their KV cache still on a prefill instance. They wait FCFS for a sequence
+slot (`max_num_seqs`) and KV blocks for their prompt, then pull the KV (NIXL transfer time from
+the profile), then join the running batch at the next step boundary. Every step produces one token
+per running sequence and takes ``d0 + d1 * B + d2 * K`` seconds (B sequences, K context tokens).
+When the next step's tokens would not fit in the KV capacity, the most recently admitted sequence
+is preempted and later recomputed (its prompt plus generated tokens prefilled on this instance),
+as vLLM's v1 scheduler does.
+
+Why analytic: between two changes of the batch, B is constant and K grows by B per step, so the
+time of m steps from step S is ``m * alpha + beta * (m * S + m * (m - 1) / 2)`` with
+``alpha = d0 + d1 * B + d2 * A`` and ``beta = d2 * B`` (A is sum of join contexts minus join
+steps). The engine therefore wakes only when something happens (a completion, a preemption, a
+join, a transfer finishing), never once per token, and keeps O(1) aggregates so that a snapshot
+costs O(1). Its users (`sim.cluster`, later the emulator) call `enqueue`, `advance` and
+`next_wakeup`; it reads no clock: time is always passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.request import EngineRequest
+
+__all__ = ["DecodeEngine"]
+
+_EPS = 1e-12
+
+
+class DecodeEngine:
+    """One decode instance (see module docstring). `jitter` is the relative std-dev of step time."""
+
+    def __init__(
+        self,
+        name: str,
+        profile: CalibrationProfile,
+        *,
+        jitter: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name
+        self.profile = profile
+        self._d0, self._d1, self._d2 = profile.decode.d0, profile.decode.d1, profile.decode.d2
+        self.capacity = profile.kv_capacity_tokens
+        self.max_seqs = profile.max_num_seqs
+        self._jitter = jitter
+        self._rng = rng or random.Random(0)
+        self.step = 0  # S: index of the last step boundary the batch was synced to
+        self.t_step = 0.0  # time of boundary S
+        self.batch = 0  # B
+        self._a = 0  # sum over running of (context at join - join step): K(S) = A + B * S
+        self._gen_base = 0  # sum over running of (join step - tokens generated before joining)
+        self.running_prompt_tokens = 0  # sum of prompt lengths of the running sequences
+        self._extra = (
+            0.0  # one-off time added to the step after S (recompute of rejoining requests)
+        )
+        self._g = 1.0  # jitter factor of the current chunk
+        self.running: dict[int, EngineRequest] = {}  # admission order: the last one is the victim
+        self._finish: list[tuple[int, int, EngineRequest]] = []  # (finish step, index, request)
+        self.waiting: deque[EngineRequest] = deque()
+        self._transfers: list[tuple[float, int, EngineRequest]] = []  # (done time, index, request)
+        self._ready: list[tuple[float, EngineRequest]] = []  # KV here, joining at the next boundary
+        self._reserved = 0  # KV tokens held by transferring and ready requests
+        self.preemptions = 0
+        self.rejected: list[EngineRequest] = []
+
+    # ------------------------------------------------------------------ timing of the batch
+    def _steps_time(self, m: int) -> float:
+        """Seconds from boundary S to boundary S + m for the current batch (m >= 1)."""
+        b = self.batch
+        alpha = self._d0 + self._d1 * b + self._d2 * self._a
+        beta = self._d2 * b
+        return self._extra + self._g * (m * alpha + beta * (m * self.step + m * (m - 1) * 0.5))
+
+    def _steps_done_by(self, t: float) -> int:
+        """Number of whole steps after S completed by time t."""
+        if self.batch == 0:
+            return 0
+        r = (t - self.t_step - self._extra) / self._g
+        if r <= 0:
+            return 0
+        b = self.batch
+        alpha = self._d0 + self._d1 * b + self._d2 * self._a
+        beta = self._d2 * b
+        c = alpha + beta * (self.step - 0.5)
+        m = int(r / c) if beta == 0 else int((-c + math.sqrt(c * c + 2.0 * beta * r)) / beta)
+        while self._steps_time(m + 1) <= t - self.t_step + _EPS:
+            m += 1
+        while m > 0 and self._steps_time(m) > t - self.t_step + _EPS:
+            m -= 1
+        return m
+
+    def _kv_context(self, step: int) -> int:
+        return self._a + self.batch * step
+
+    # ------------------------------------------------------------------ observation (O(1))
+    def kv_tokens_used(self, now: float) -> int:
+        return self._kv_context(self.step + self._steps_done_by(now)) + self._reserved
+
+    def tokens_generated_running(self, now: float) -> int:
+        """Output tokens produced so far by the running sequences."""
+        return self.batch * (self.step + self._steps_done_by(now)) - self._gen_base
+
+    @property
+    def num_running(self) -> int:
+        return self.batch
+
+    @property
+    def num_waiting(self) -> int:
+        """vLLM counts requests waiting for remote KV as waiting."""
+        return len(self.waiting) + len(self._transfers) + len(self._ready)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.batch or self.waiting or self._transfers or self._ready)
+
+    # ------------------------------------------------------------------ inputs
+    def enqueue(self, req: EngineRequest, now: float) -> list[EngineRequest]:
+        """A request whose prompt was prefilled elsewhere arrives; returns transfers started.
+
+        A prompt that can never fit in this instance's KV cache is rejected (vLLM answers 400).
+        """
+        if req.prompt_tokens + 1 > self.capacity:
+            self.rejected.append(req)
+            return []
+        self.waiting.append(req)
+        return self._admit(now)
+
+    def _admit(self, now: float) -> list[EngineRequest]:
+        started = []
+        used = self.kv_tokens_used(now)
+        while self.waiting:
+            req = self.waiting[0]
+            ctx = req.prompt_tokens + req.generated
+            occupied = self.batch + len(self._transfers) + len(self._ready)
+            # Room for the prompt and for one more step of every sequence, or admitting it would
+            # force a preemption at the very next step.
+            if occupied >= self.max_seqs or used + ctx + occupied + 1 > self.capacity:
+                break
+            self.waiting.popleft()
+            used += ctx
+            self._reserved += ctx
+            if req.recompute:
+                self._ready.append((now, req))  # KV is recomputed here: no transfer
+            else:
+                done = now + self.profile.kv_transfer.time(req.prompt_tokens)
+                heapq.heappush(self._transfers, (done, req.index, req))
+                started.append(req)
+        return started
+
+    # ------------------------------------------------------------------ the event step
+    def next_wakeup(self) -> float | None:
+        """When `advance` must next be called, or None when nothing is pending."""
+        t = math.inf
+        if self._transfers:
+            t = self._transfers[0][0]
+        if self.batch == 0:
+            if self._ready:
+                t = min(t, min(r for r, _ in self._ready))
+            return None if t == math.inf else t
+        finish = self._finish
+        while finish and (
+            self.running.get(finish[0][2].index) is not finish[0][2]
+            or finish[0][2].finish_step != finish[0][0]
+        ):
+            heapq.heappop(finish)  # stale entries of preempted requests
+        m = finish[0][0] - self.step
+        free = self.capacity - self._reserved - self._a - self.batch
+        m = min(m, free // self.batch - self.step + 1)  # first boundary where a step would not fit
+        if self._ready:
+            m = min(m, self._steps_done_by(min(r for r, _ in self._ready)) + 1)
+        m = max(m, 0)
+        return min(t, self.t_step + (self._steps_time(m) if m else 0.0))
+
+    def advance(
+        self, now: float
+    ) -> tuple[list[EngineRequest], list[EngineRequest], list[EngineRequest]]:
+        """Bring the engine to time `now`.
+
+        Returns (finished requests, requests whose KV transfer completed, transfers started).
+        The caller releases the prefill KV of the second list and must call `next_wakeup` again.
+        """
+        finished: list[EngineRequest] = []
+        transferred: list[EngineRequest] = []
+        if self.batch:
+            m = self._steps_done_by(now)
+            if m:
+                self.t_step += self._steps_time(m)
+                self.step += m
+                self._extra = 0.0
+                while self._finish and self._finish[0][0] <= self.step:
+                    step, _, req = heapq.heappop(self._finish)
+                    if self.running.get(req.index) is not req or req.finish_step != step:
+                        continue  # stale entry of a preempted request
+                    del self.running[req.index]
+                    req.finish = self.t_step
+                    self._remove(req)
+                    finished.append(req)
+        if self.batch == 0:
+            self.t_step = now
+        at_boundary = abs(now - self.t_step) <= 1e-9
+        while self._transfers and self._transfers[0][0] <= now + _EPS:
+            done, _, req = heapq.heappop(self._transfers)
+            self._ready.append((done, req))
+            transferred.append(req)
+        if at_boundary:
+            # As in vLLM, a step that had to preempt admits nothing new.
+            preempted = self._preempt_until_fits()
+            started = [] if preempted and self.batch else self._admit(now)
+            self._join_ready(now)
+        else:
+            started = self._admit(now)
+        return finished, transferred, started
+
+    # ------------------------------------------------------------ batch changes (at boundaries)
+    def _remove(self, req: EngineRequest) -> None:
+        self.batch -= 1
+        self._a -= req.prompt_tokens + req.generated - req.join_step
+        self._gen_base -= req.join_step - req.generated
+        self.running_prompt_tokens -= req.prompt_tokens
+
+    def _preempt_until_fits(self) -> bool:
+        """Preempt the newest sequences until the next step fits; True if any was preempted."""
+        preempted = False
+        while (
+            self.batch and self._kv_context(self.step) + self.batch + self._reserved > self.capacity
+        ):
+            idx = next(reversed(self.running))
+            victim = self.running.pop(idx)
+            self._remove(victim)
+            victim.generated += self.step - victim.join_step
+            victim.recompute = True
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted = True
+        return preempted
+
+    def _join_ready(self, now: float) -> None:
+        if not self._ready:
+            return
+        if self.batch == 0:
+            self.t_step = now
+        ready, self._ready = self._ready, []
+        joined = []
+        for _, req in ready:
+            ctx = req.prompt_tokens + req.generated
+            self._reserved -= ctx
+            if req.recompute:
+                pf = self.profile.prefill
+                batches = -(-ctx // self.profile.max_num_batched_tokens)
+                self._extra += batches * pf.p0 + pf.p1 * ctx + pf.p2 * ctx * ctx
+                req.recompute = False
+            req.join_step = self.step
+            req.finish_step = self.step + req.output_tokens - req.generated
+            self.running[req.index] = req
+            heapq.heappush(self._finish, (req.finish_step, req.index, req))
+            self.batch += 1
+            self._a += ctx - self.step
+            self._gen_base += self.step - req.generated
+            self.running_prompt_tokens += req.prompt_tokens
+            joined.append(req)
+        if self._jitter:
+            self._g = max(0.5, min(1.5, self._rng.gauss(1.0, self._jitter)))
+        first = self.t_step + self._steps_time(1)
+        for req in joined:
+            if req.first_token < 0:
+                req.first_token = first

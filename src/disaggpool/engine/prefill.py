@@ -1,0 +1,122 @@
+"""Engine model of one vLLM prefill instance: FCFS chunked prefill with a token budget.
+
+Each iteration takes prompt tokens from the head of the queue up to `max_num_batched_tokens`
+(and `max_num_seqs` requests), splitting the last prompt into a chunk when it does not fit, and
+lasts ``p0 + p1 * tokens + p2 * sum((offset + chunk)**2 - offset**2)`` seconds: the quadratic
+attention term is charged exactly as if each prompt had been prefilled whole. A request's KV
+blocks are allocated when its first chunk is scheduled and stay allocated until the decode
+instance has pulled them (`release`), so a slow decode pool backs up into prefill, as in vLLM.
+
+One wake-up per iteration: prefill iterations are long (tens to hundreds of milliseconds), so
+this costs little. Used by `sim.cluster` (and later the emulator); time is always passed in.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.request import EngineRequest
+
+__all__ = ["PrefillEngine"]
+
+
+class PrefillEngine:
+    """One prefill instance (module docstring); `jitter`: relative std-dev of iteration time."""
+
+    def __init__(
+        self,
+        name: str,
+        profile: CalibrationProfile,
+        *,
+        jitter: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name
+        self.profile = profile
+        self.capacity = profile.kv_capacity_tokens
+        self._jitter = jitter
+        self._rng = rng or random.Random(0)
+        self.queue: deque[EngineRequest] = deque()
+        self._offset: dict[int, int] = {}  # prompt tokens already prefilled, for started requests
+        self.kv_used = 0
+        self.busy_until: float | None = None
+        self._batch: list[
+            tuple[EngineRequest, int]
+        ] = []  # (request, chunk) of the running iteration
+        self.rejected: list[EngineRequest] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._batch)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue) - len(self._batch)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens not yet prefilled (O(queue))."""
+        return sum(r.prompt_tokens - self._offset.get(r.index, 0) for r in self.queue)
+
+    def enqueue(self, req: EngineRequest, now: float) -> None:
+        if req.prompt_tokens > self.capacity or req.prompt_tokens > self.profile.max_model_len:
+            self.rejected.append(req)
+            return
+        self.queue.append(req)
+        if self.busy_until is None:
+            self._start(now)
+
+    def release(self, req: EngineRequest, now: float) -> None:
+        """The decode side pulled this request's KV: free its blocks."""
+        self.kv_used -= req.prompt_tokens
+        if self.busy_until is None and self.queue:
+            self._start(now)
+
+    def next_wakeup(self) -> float | None:
+        return self.busy_until
+
+    def advance(self, now: float) -> list[EngineRequest]:
+        """Finish the iteration ending at `now`; returns the requests whose prefill completed."""
+        done = []
+        if self.busy_until is not None and now >= self.busy_until - 1e-12:
+            for req, chunk in self._batch:
+                offset = self._offset[req.index] + chunk
+                if offset >= req.prompt_tokens:
+                    del self._offset[req.index]
+                    self.queue.popleft()  # completed prompts are always a prefix of the queue
+                    req.prefill_done = now
+                    done.append(req)
+                else:
+                    self._offset[req.index] = offset
+            self._batch = []
+            self.busy_until = None
+        if self.busy_until is None and self.queue:
+            self._start(now)
+        return done
+
+    def _start(self, now: float) -> None:
+        budget = self.profile.max_num_batched_tokens
+        seqs = self.profile.max_num_seqs
+        tokens = 0
+        sq = 0.0
+        batch: list[tuple[EngineRequest, int]] = []
+        for req in self.queue:
+            if budget <= 0 or len(batch) >= seqs:
+                break
+            offset = self._offset.get(req.index)
+            if offset is None:  # first chunk: allocate the prompt's KV blocks
+                if self.kv_used + req.prompt_tokens > self.capacity:
+                    break  # FCFS: wait for the decode side to pull earlier prompts
+                self.kv_used += req.prompt_tokens
+                self._offset[req.index] = offset = 0
+            chunk = min(budget, req.prompt_tokens - offset)
+            batch.append((req, chunk))
+            budget -= chunk
+            tokens += chunk
+            sq += (offset + chunk) ** 2 - offset**2
+        if not batch:
+            return
+        g = max(0.5, min(1.5, self._rng.gauss(1.0, self._jitter))) if self._jitter else 1.0
+        self._batch = batch
+        self.busy_until = now + g * self.profile.prefill.time(tokens, sq)

@@ -1,0 +1,46 @@
+"""The mutable per-request record the engine model and the simulator share.
+
+It holds the truth (the real output length) next to what the router was told (the prediction)
+and the timestamps the engines stamp on it. Only `engine` and `sim` touch it; the router sees
+`core.contracts.RequestFeatures`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["EngineRequest"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class EngineRequest:
+    """One request's life through a prefill and a decode engine (times in seconds)."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    slo_class: str
+    predicted_output: float = 0.0
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    prefill_done: float = -1.0
+    first_token: float = -1.0
+    finish: float = -1.0
+    preemptions: int = 0
+    # decode-engine bookkeeping
+    join_step: int = 0
+    finish_step: int = 0
+    generated: int = 0  # tokens already produced before a preemption
+    recompute: bool = False
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 for one-token outputs)."""
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.finish - self.first_token) / (self.output_tokens - 1)

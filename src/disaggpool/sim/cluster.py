@@ -1,0 +1,198 @@
+"""Discrete-event simulator of one disaggregated pool: arrival, router, prefill, KV, decode.
+
+The event engine knows only time and wake-ups: every engine model (`engine.prefill`,
+`engine.decode`) tells when it next needs attention, and the loop calls it then. Arrivals are
+merged in from the (sorted) trace rather than pushed on the heap. At equal times engine wake-ups
+run before arrivals, and wake-ups in instance order, so that the router sees up-to-date state and
+runs are deterministic; a stale wake-up (the engine rescheduled since) is skipped by its version.
+
+Routing uses `sim.router.RouterState`, which builds the same `PoolSnapshot` the sidecar builds and
+calls the same `core.policies` objects; the output-length predictor learns from completions as it
+would in production.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+from collections.abc import Mapping, Sequence
+
+from disaggpool.core.contracts import RequestFeatures, SLOClass
+from disaggpool.core.policies.base import Policy
+from disaggpool.core.predictor import OutputPredictor
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.decode import DecodeEngine
+from disaggpool.engine.prefill import PrefillEngine
+from disaggpool.engine.request import EngineRequest
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim.router import RouterState
+
+__all__ = ["InstanceSpec", "SimOutcome", "Simulation"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One instance: its role, the profile driving its timing, the one the router believes."""
+
+    name: str
+    role: str
+    true_profile: CalibrationProfile
+    believed_profile: CalibrationProfile | None
+
+
+@dataclasses.dataclass(slots=True)
+class SimOutcome:
+    """Everything a run produced: per-request records and per-instance counters."""
+
+    requests: list[EngineRequest]
+    rejected: list[EngineRequest]
+    preemptions: dict[str, int]
+    served: dict[str, int]
+    end_time: float
+    predictor_errors: dict[str, float]
+
+
+class Simulation:
+    """One run of one policy over one trace (construct anew for every run)."""
+
+    def __init__(
+        self,
+        instances: Sequence[InstanceSpec],
+        *,
+        policy: Policy,
+        predictor: OutputPredictor,
+        slo_classes: Mapping[str, SLOClass],
+        default_class: str,
+        seed: int,
+        jitter: float = 0.03,
+    ) -> None:
+        self.slo_classes = dict(slo_classes)
+        self.default_class = default_class
+        self.policy = policy
+        self.predictor = predictor
+        self.rng = random.Random(seed)  # routing and prediction randomness
+        engine_rng = random.Random(seed ^ 0x5EED)
+        self.prefill: list[PrefillEngine] = []
+        self.decode: list[DecodeEngine] = []
+        for spec in instances:
+            rng = random.Random(engine_rng.getrandbits(64))
+            if spec.role == "prefill":
+                self.prefill.append(
+                    PrefillEngine(spec.name, spec.true_profile, jitter=jitter, rng=rng)
+                )
+            elif spec.role == "decode":
+                self.decode.append(
+                    DecodeEngine(spec.name, spec.true_profile, jitter=jitter, rng=rng)
+                )
+            else:
+                raise ValueError(
+                    f"instance {spec.name}: role must be prefill or decode, got {spec.role!r}"
+                )
+        if not self.prefill or not self.decode:
+            raise ValueError("a pool needs at least one prefill and one decode instance")
+        believed = {s.name: s.believed_profile for s in instances}
+        self.router = RouterState(self.prefill, self.decode, believed)
+        self._engines: list[PrefillEngine | DecodeEngine] = [*self.prefill, *self.decode]
+        self._index = {e.name: i for i, e in enumerate(self._engines)}
+        self._version = [0] * len(self._engines)
+        self._heap: list[tuple[float, int, int]] = []  # (time, engine index, version)
+
+    # ------------------------------------------------------------------ scheduling of wake-ups
+    def _reschedule(self, idx: int) -> None:
+        self._version[idx] += 1
+        t = self._engines[idx].next_wakeup()
+        if t is not None:
+            heapq.heappush(self._heap, (t, idx, self._version[idx]))
+
+    def run(self, trace: Sequence[TraceRequest]) -> SimOutcome:
+        reqs = [
+            EngineRequest(
+                i, t.arrival_s, t.prompt_tokens, t.output_tokens, t.slo_class or self.default_class
+            )
+            for i, t in enumerate(trace)
+        ]
+        for r in reqs:
+            if r.slo_class not in self.slo_classes:
+                raise ValueError(f"request {r.index}: unknown SLO class {r.slo_class!r}")
+        heap = self._heap
+        n = len(reqs)
+        nxt = 0
+        now = 0.0
+        while nxt < n or heap:
+            if heap and (nxt >= n or heap[0][0] <= reqs[nxt].arrival):
+                now, idx, version = heapq.heappop(heap)
+                if version != self._version[idx]:
+                    continue
+                self._wake(idx, now)
+            else:
+                req = reqs[nxt]
+                nxt += 1
+                now = req.arrival
+                self._arrive(req, now)
+        rejected = [r for e in self._engines for r in e.rejected]
+        done = [r for r in reqs if r.finish >= 0]
+        return SimOutcome(
+            requests=reqs,
+            rejected=rejected,
+            preemptions={e.name: e.preemptions for e in self.decode},
+            served={e.name: self.router.served[self._index[e.name]] for e in self._engines},
+            end_time=max((r.finish for r in done), default=0.0),
+            predictor_errors=_errors(self.predictor),
+        )
+
+    # ------------------------------------------------------------------ events
+    def _arrive(self, req: EngineRequest, now: float) -> None:
+        pred = self.predictor.predict(req.slo_class, req.prompt_tokens, self.rng, req.output_tokens)
+        req.predicted_output = pred.mean
+        features = RequestFeatures(
+            request_id=str(req.index),
+            prompt_tokens=req.prompt_tokens,
+            predicted_output_tokens=pred.mean,
+            output_uncertainty=pred.std,
+            slo=self.slo_classes[req.slo_class],
+        )
+        decision = self.policy.route(features, self.router.snapshot(now), self.rng)
+        p_idx = self._index[decision.prefill]
+        d_idx = self._index[decision.decode]
+        req.prefill_instance = decision.prefill
+        req.decode_instance = decision.decode
+        self.router.routed(req, p_idx, d_idx, features.slo.tpot_s)
+        self._engines[p_idx].enqueue(req, now)
+        self._reschedule(p_idx)
+
+    def _wake(self, idx: int, now: float) -> None:
+        engine = self._engines[idx]
+        if isinstance(engine, PrefillEngine):
+            for req in engine.advance(now):
+                self.router.prefilled(req, idx)
+                d_idx = self._index[req.decode_instance]
+                started = self.decode[d_idx - len(self.prefill)].enqueue(req, now)
+                self._after_decode(d_idx, started, [], [], now)
+            self._reschedule(idx)
+        else:
+            finished, transferred, started = engine.advance(now)
+            self._after_decode(idx, started, transferred, finished, now)
+
+    def _after_decode(
+        self,
+        idx: int,
+        started: list[EngineRequest],
+        transferred: list[EngineRequest],
+        finished: list[EngineRequest],
+        now: float,
+    ) -> None:
+        del started  # transfers in flight need no action until they complete
+        for req in transferred:
+            p_idx = self._index[req.prefill_instance]
+            self._engines[p_idx].release(req, now)  # type: ignore[union-attr]
+            self._reschedule(p_idx)
+        for req in finished:
+            self.router.finished(req, idx, self.slo_classes[req.slo_class].tpot_s)
+            self.predictor.observe(req.slo_class, req.prompt_tokens, req.output_tokens)
+        self._reschedule(idx)
+
+
+def _errors(predictor: OutputPredictor) -> dict[str, float]:
+    errors = getattr(predictor, "errors", None)
+    return dict(errors()) if callable(errors) else {}

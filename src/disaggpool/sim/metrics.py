@@ -1,0 +1,76 @@
+"""Run metrics: goodput (fraction of requests meeting their SLO), latency percentiles, load.
+
+Goodput follows the study: a request counts when its TTFT and its TPOT (mean time per output
+token after the first) both meet its class's targets; a request that was rejected or never
+finished counts as missed. Percentiles are nearest-rank, so results are exact and deterministic.
+Called by `sim.experiments` and the CLI; pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from disaggpool.core.contracts import SLOClass
+from disaggpool.sim.cluster import SimOutcome
+
+__all__ = ["percentile", "summarize"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of `values`; NaN for an empty sequence."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _latency(ttfts: Sequence[float], tpots: Sequence[float]) -> dict[str, float]:
+    out = {}
+    for name, values in (("ttft", ttfts), ("tpot", tpots)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = round(percentile(values, q), 6)
+    return out
+
+
+def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[str, Any]:
+    """Goodput and percentiles overall and per SLO class, plus per-instance load."""
+    per_class: dict[str, dict[str, list[float]]] = {}
+    met_total = 0
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    for r in outcome.requests:
+        bucket = per_class.setdefault(r.slo_class, {"ttft": [], "tpot": [], "met": []})
+        if r.finish < 0:
+            bucket["met"].append(0.0)
+            continue
+        ttft, tpot = r.ttft, r.tpot
+        met = slo_classes[r.slo_class].met(ttft, tpot)
+        met_total += met
+        bucket["met"].append(1.0 if met else 0.0)
+        bucket["ttft"].append(ttft)
+        bucket["tpot"].append(tpot)
+        ttfts.append(ttft)
+        tpots.append(tpot)
+    n = len(outcome.requests)
+    classes = {
+        name: {
+            "requests": len(b["met"]),
+            "goodput": round(sum(b["met"]) / len(b["met"]), 6),
+            **_latency(b["ttft"], b["tpot"]),
+        }
+        for name, b in sorted(per_class.items())
+    }
+    return {
+        "requests": n,
+        "completed": len(ttfts),
+        "rejected": len(outcome.rejected),
+        "goodput": round(met_total / n, 6) if n else math.nan,
+        **_latency(ttfts, tpots),
+        "classes": classes,
+        "preemptions": sum(outcome.preemptions.values()),
+        "served": dict(sorted(outcome.served.items())),
+        "makespan_s": round(outcome.end_time, 6),
+    }

@@ -1,0 +1,294 @@
+"""`disaggpool sim run --scenario FILE`: one user-described pool, trace, SLOs and policy set.
+
+A scenario file is YAML (or JSON); SCENARIOS.md documents every field and `examples/` holds one.
+Paths inside it are relative to the file. Any invalid field raises `InputError` naming the file
+and the field path (``pool.decode[1].count``), which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.policies.registry import POLICY_NAMES
+from disaggpool.core.predictor import make_predictor
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.errors import InputError
+from disaggpool.formats.profiles import resolve_profile
+from disaggpool.formats.traces import TraceRequest, read_trace
+from disaggpool.sim import workload
+from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.runner import RunSpec
+
+__all__ = ["Scenario", "load_scenario"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    instances: tuple[InstanceSpec, ...]
+    trace: tuple[TraceRequest, ...]
+    slo_classes: tuple[SLOClass, ...]  # the default class first
+    policies: tuple[str, ...]
+    seeds: tuple[int, ...]
+    predictor: str
+    datasheet: CalibrationProfile | None
+    jitter: float
+    name: str
+
+    def specs(self) -> list[RunSpec]:
+        return [
+            RunSpec(
+                experiment="run",
+                trace_name=self.name,
+                trace=self.trace,
+                instances=self.instances,
+                slo_classes=self.slo_classes,
+                policy=policy,
+                seed=seed,
+                datasheet=self.datasheet,
+                predictor=self.predictor,
+                jitter=self.jitter,
+            )
+            for seed in self.seeds
+            for policy in self.policies
+        ]
+
+
+class _Reader:
+    """Typed access to a parsed document with errors that name the file and field path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, message: str) -> InputError:
+        return InputError(self.source, path, message)
+
+    def mapping(self, value: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.fail(path, "must be a mapping")
+        return value
+
+    def number(
+        self, value: Any, path: str, *, minimum: float = 0.0, positive: bool = False
+    ) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(path, f"must be a number, got {value!r}")
+        if value < minimum or (positive and value <= 0):
+            raise self.fail(
+                path, f"must be {'> 0' if positive else f'>= {minimum}'}, got {value!r}"
+            )
+        return float(value)
+
+    def integer(self, value: Any, path: str, *, minimum: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(path, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def known(self, data: Mapping[str, Any], path: str, allowed: set[str]) -> None:
+        for key in data:
+            if key not in allowed:
+                prefix = f"{path}." if path else ""
+                raise self.fail(
+                    f"{prefix}{key}", f"unknown field (allowed: {', '.join(sorted(allowed))})"
+                )
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    rd = _Reader(str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except OSError as exc:
+        raise rd.fail("<file>", f"cannot read: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise rd.fail("<file>", f"not valid YAML/JSON: {exc}") from None
+    doc = rd.mapping(raw, "<root>")
+    rd.known(
+        doc,
+        "",
+        {
+            "name",
+            "pool",
+            "datasheet",
+            "trace",
+            "slo_classes",
+            "policies",
+            "seeds",
+            "predictor",
+            "jitter",
+        },
+    )
+    base = path.parent
+    seeds = doc.get("seeds", [1])
+    if not isinstance(seeds, list) or not seeds:
+        raise rd.fail("seeds", "must be a non-empty list of integers")
+    seed_list = tuple(rd.integer(s, f"seeds[{i}]", minimum=0) for i, s in enumerate(seeds))
+    instances = _pool(rd, doc.get("pool"), base, seed_list[0])
+    slo = _slo_classes(rd, doc.get("slo_classes"))
+    trace = _trace(rd, doc.get("trace"), base, {c.name for c in slo}, seed_list[0])
+    policies = doc.get("policies", ["round_robin", "least_loaded", "length", "calibrated"])
+    if not isinstance(policies, list) or not policies:
+        raise rd.fail("policies", "must be a non-empty list")
+    for i, p in enumerate(policies):
+        if p not in POLICY_NAMES:
+            raise rd.fail(
+                f"policies[{i}]", f"unknown policy {p!r}; valid: {', '.join(POLICY_NAMES)}"
+            )
+    datasheet = None
+    if "datasheet" in doc:
+        datasheet = _profile(rd, doc["datasheet"], "datasheet", base)
+    elif "uncalibrated" in policies:
+        raise rd.fail("datasheet", "required by the uncalibrated policy")
+    predictor = doc.get("predictor", "online")
+    try:
+        make_predictor(str(predictor))
+    except (KeyError, ValueError) as exc:
+        raise rd.fail("predictor", str(exc).strip("'\"")) from None
+    return Scenario(
+        instances=instances,
+        trace=tuple(trace),
+        slo_classes=slo,
+        policies=tuple(policies),
+        seeds=seed_list,
+        predictor=str(predictor),
+        datasheet=datasheet,
+        jitter=rd.number(doc.get("jitter", 0.03), "jitter"),
+        name=str(doc.get("name", path.stem)),
+    )
+
+
+def _profile(rd: _Reader, ref: Any, field: str, base: Path) -> CalibrationProfile:
+    if not isinstance(ref, str):
+        raise rd.fail(field, "must be a built-in profile name or a file path")
+    try:
+        return resolve_profile(ref, base)
+    except InputError as exc:
+        raise rd.fail(field, str(exc)) from None
+
+
+def _pool(rd: _Reader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, ...]:
+    pool = rd.mapping(raw, "pool")
+    rd.known(pool, "pool", {"prefill", "decode"})
+    specs: list[InstanceSpec] = []
+    for role in ("prefill", "decode"):
+        groups = pool.get(role)
+        if not isinstance(groups, list) or not groups:
+            raise rd.fail(f"pool.{role}", "must be a non-empty list of instance groups")
+        index = 0
+        for g, group_raw in enumerate(groups):
+            at = f"pool.{role}[{g}]"
+            group = rd.mapping(group_raw, at)
+            rd.known(group, at, {"count", "profile", "believed", "speed", "name"})
+            if "profile" not in group:
+                raise rd.fail(f"{at}.profile", "missing")
+            true = _profile(rd, group["profile"], f"{at}.profile", base)
+            speed = rd.number(group.get("speed", 1.0), f"{at}.speed", positive=True)
+            believed_ref = group.get("believed")
+            believed = (
+                None
+                if believed_ref in (None, "none")
+                else _profile(rd, believed_ref, f"{at}.believed", base)
+            )
+            count = rd.integer(group.get("count", 1), f"{at}.count")
+            for _ in range(count):
+                name = str(group["name"]) if "name" in group and count == 1 else f"{role}-{index}"
+                index += 1
+                instance_true = true.scaled(speed, name=name) if speed != 1.0 else true
+                # Without an explicit believed profile the router is perfectly calibrated.
+                specs.append(InstanceSpec(name, role, instance_true, believed or instance_true))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise rd.fail("pool", "instance names must be unique")
+    del seed
+    return tuple(specs)
+
+
+def _slo_classes(rd: _Reader, raw: Any) -> tuple[SLOClass, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise rd.fail("slo_classes", "must be a non-empty list")
+    classes = []
+    default = None
+    for i, item in enumerate(raw):
+        at = f"slo_classes[{i}]"
+        c = rd.mapping(item, at)
+        rd.known(c, at, {"name", "ttft_s", "tpot_s", "default"})
+        if not isinstance(c.get("name"), str) or not c["name"]:
+            raise rd.fail(f"{at}.name", "missing or not a string")
+        slo = SLOClass(
+            c["name"],
+            rd.number(c.get("ttft_s"), f"{at}.ttft_s", positive=True),
+            rd.number(c.get("tpot_s"), f"{at}.tpot_s", positive=True),
+        )
+        if c.get("default"):
+            default = slo
+        classes.append(slo)
+    if len({c.name for c in classes}) != len(classes):
+        raise rd.fail("slo_classes", "class names must be unique")
+    first = default or classes[0]
+    return (first, *[c for c in classes if c is not first])
+
+
+def _trace(rd: _Reader, raw: Any, base: Path, classes: set[str], seed: int) -> list[TraceRequest]:
+    spec = rd.mapping(raw, "trace")
+    rd.known(spec, "trace", {"file", "generate", "rate", "limit", "default_class"})
+    if ("file" in spec) == ("generate" in spec):
+        raise rd.fail("trace", "give exactly one of file or generate")
+    if "file" in spec:
+        file = base / str(spec["file"])
+        trace = read_trace(file, default_class=str(spec.get("default_class", "")))
+    else:
+        trace = _generate(rd, rd.mapping(spec["generate"], "trace.generate"), seed)
+    if "limit" in spec:
+        trace = trace[: rd.integer(spec["limit"], "trace.limit")]
+    if "rate" in spec:
+        trace = workload.rescale(trace, rd.number(spec["rate"], "trace.rate", positive=True))
+    for i, r in enumerate(trace):
+        if r.slo_class and r.slo_class not in classes:
+            raise rd.fail("trace", f"request {i} has SLO class {r.slo_class!r}, not in slo_classes")
+    return trace
+
+
+def _generate(rd: _Reader, gen: Mapping[str, Any], seed: int) -> list[TraceRequest]:
+    rd.known(
+        gen,
+        "trace.generate",
+        {"process", "rate", "cv", "n", "prompt_mean", "output_mean", "sigma", "classes"},
+    )
+    rng = random.Random(f"scenario:{seed}")
+    n = rd.integer(gen.get("n", 1000), "trace.generate.n")
+    rate = rd.number(gen.get("rate", 1.0), "trace.generate.rate", positive=True)
+    process = gen.get("process", "poisson")
+    if process == "poisson":
+        arrivals = workload.poisson_arrivals(rate, n, rng)
+    elif process == "gamma":
+        arrivals = workload.gamma_arrivals(
+            rate, rd.number(gen.get("cv", 2.0), "trace.generate.cv", positive=True), n, rng
+        )
+    else:
+        raise rd.fail("trace.generate.process", f"must be poisson or gamma, got {process!r}")
+    classes_raw = gen.get("classes", {"": 1.0})
+    weights = rd.mapping(classes_raw, "trace.generate.classes")
+    lengths = workload.lognormal_lengths(
+        n,
+        rng,
+        prompt_mean=rd.number(
+            gen.get("prompt_mean", 1000), "trace.generate.prompt_mean", positive=True
+        ),
+        output_mean=rd.number(
+            gen.get("output_mean", 200), "trace.generate.output_mean", positive=True
+        ),
+        sigma=rd.number(gen.get("sigma", 1.0), "trace.generate.sigma"),
+        slo_classes=[
+            (str(k), rd.number(v, f"trace.generate.classes.{k}", positive=True))
+            for k, v in weights.items()
+        ],
+    )
+    return workload.with_arrivals(lengths, arrivals)

@@ -1,0 +1,113 @@
+"""The cost model against cases computed by hand from COSTMODEL.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from disaggpool.core import costmodel
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures, SLOClass
+from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
+
+# Round numbers so that every expectation below can be checked with pencil and paper.
+PROFILE = CalibrationProfile(
+    name="toy",
+    prefill=PrefillModel(p0=0.01, p1=0.001, p2=0.0),
+    decode=DecodeModel(d0=0.02, d1=0.001, d2=1e-6),
+    kv_transfer=KVTransferModel(k0=0.002, bytes_per_token=1000.0, bandwidth_bytes_per_s=1e6),
+    kv_capacity_tokens=100_000,
+    max_num_seqs=8,
+    max_num_batched_tokens=1000,
+    block_size=16,
+)
+SLO = SLOClass("chat", ttft_s=2.0, tpot_s=0.05)
+
+
+def request(n: int = 500, o: float = 100.0, sigma: float = 0.0) -> RequestFeatures:
+    return RequestFeatures("r", n, o, sigma, SLO)
+
+
+def test_prefill_ready_time_counts_queue_and_own_prompt() -> None:
+    inst = InstanceSnapshot("p", "prefill", queued=2, queued_tokens=1500, queued_sq_tokens=0.0)
+    # 2000 tokens -> 2 iterations of the 1000-token budget: 2 * p0 + p1 * 2000
+    assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(2 * 0.01 + 2.0)
+
+
+def test_prefill_prices_foreign_waiting_requests_at_this_length() -> None:
+    inst = InstanceSnapshot("p", "prefill", waiting=3, queued=1, queued_tokens=100)
+    # two requests the router did not send: 2 * 500 tokens added to the 100 queued + 500 own
+    expected = math.ceil(1600 / 1000) * 0.01 + 0.001 * 1600
+    assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(expected)
+
+
+def test_idle_decode_instance() -> None:
+    act, ttft, tpot, harm, slo_harm = costmodel.decode_estimate(
+        request(), InstanceSnapshot("d", "decode"), PROFILE, 0.5
+    )
+    # batch of one; mean context 500 + 100/2 = 550
+    tau = 0.02 + 0.001 * 1 + 1e-6 * 550
+    assert tpot == pytest.approx(tau)
+    assert ttft == pytest.approx(0.5 + 0.002 + 500 * 1000 / 1e6 + tau)
+    assert harm == 0.0 and slo_harm == 0
+    assert act == pytest.approx(100 * tau)
+
+
+def test_busy_instance_adds_slowdown_imposed_on_others() -> None:
+    inst = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+    )
+    act, _, tpot, harm, _ = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    # r_bar = 100, growth = 50, batch 5: context 4000 + 500 + 5 * 50
+    tau = 0.02 + 0.001 * 5 + 1e-6 * 4750
+    assert tpot == pytest.approx(tau)
+    # each of the 4 others is slowed by d1 + d2 * (n + o/2) for the 100 steps they overlap
+    assert harm == pytest.approx(4 * (0.001 + 1e-6 * 550) * 100)
+    assert act == pytest.approx(100 * tau + harm)
+
+
+def test_full_batch_waits_for_completions() -> None:
+    inst = InstanceSnapshot(
+        "d", "decode", running=8, kv_tokens_used=8000, remaining_output_tokens=800.0
+    )
+    act, ttft, tpot, _, _ = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    tau = 0.02 + 0.001 * 8 + 1e-6 * (8000 + 500 + 8 * 50)
+    # one sequence must finish: r_bar (100) steps of tau each, shared among the 8 running
+    wait = 1 * 100 * tau / 8
+    assert tpot == pytest.approx(tau)
+    assert ttft == pytest.approx(0.002 + 0.5 + wait + tau)
+    assert act > 100 * tau + wait - 1e-12
+
+
+def test_kv_pressure_adds_preemption_penalty() -> None:
+    roomy = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+    )
+    tight = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=97_000, remaining_output_tokens=400.0
+    )
+    act_roomy, _, tpot_roomy, _, _ = costmodel.decode_estimate(
+        request(sigma=50), roomy, PROFILE, 0.0
+    )
+    act_tight, _, tpot_tight, _, _ = costmodel.decode_estimate(
+        request(sigma=50), tight, PROFILE, 0.0
+    )
+    assert act_tight > act_roomy
+    assert tpot_tight > tpot_roomy
+
+
+def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
+    tau_before = 0.02 + 0.001 * 4 + 1e-6 * (4000 + 4 * 50)
+    tau_after = 0.02 + 0.001 * 5 + 1e-6 * (4500 + 5 * 50)
+    between = (tau_before + tau_after) / 2
+    inst = InstanceSnapshot(
+        "d",
+        "decode",
+        running=4,
+        kv_tokens_used=4000,
+        remaining_output_tokens=400.0,
+        tpot_targets=((tau_before / 2, 1), (between, 2), (1.0, 1)),
+    )
+    *_, slo_harm = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    # the first is late anyway, the last has room: only the two between are pushed over
+    assert slo_harm == 2

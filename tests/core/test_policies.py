@@ -1,0 +1,202 @@
+"""Each policy's choice on hand-built snapshots, the guard, fallbacks and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, SLOClass
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.policies.base import NoCapacityError
+from disaggpool.core.policies.calibrated import CalibratedPolicy
+from disaggpool.core.policies.registry import POLICY_NAMES, make_policy
+
+A40 = builtin_profile("a40-llama3-8b")
+SLOW = A40.scaled(0.6, name="slow")
+CHAT = SLOClass("chat", 1.7, 0.065)
+REQ = RequestFeatures("r1", 1000, 200.0, 50.0, CHAT)
+
+
+def decode(name: str, profile=A40, **kw) -> InstanceSnapshot:
+    return InstanceSnapshot(name, "decode", profile=profile, **kw)
+
+
+def prefill(name: str, profile=A40, **kw) -> InstanceSnapshot:
+    return InstanceSnapshot(name, "prefill", profile=profile, **kw)
+
+
+def pool(decodes, prefills=None) -> PoolSnapshot:
+    return PoolSnapshot(0.0, prefills or [prefill("p0"), prefill("p1")], decodes)
+
+
+def test_registry_builds_every_policy_and_rejects_unknown() -> None:
+    ds = {"d0": A40}
+    for name in POLICY_NAMES:
+        assert make_policy(name, datasheet=ds).name == name
+    with pytest.raises(KeyError, match="valid: round_robin"):
+        make_policy("fastest")
+    with pytest.raises(ValueError, match="datasheet"):
+        make_policy("uncalibrated")
+
+
+def test_round_robin_cycles_both_pools_independently() -> None:
+    policy = make_policy("round_robin")
+    snap = pool([decode("d0"), decode("d1"), decode("d2")])
+    picks = [policy.route(REQ, snap, random.Random(0)) for _ in range(6)]
+    assert [d.decode for d in picks] == ["d0", "d1", "d2"] * 2
+    assert [d.prefill for d in picks] == ["p0", "p1"] * 3
+
+
+def test_least_loaded_counts_requests() -> None:
+    snap = pool(
+        [decode("d0", inflight=5), decode("d1", inflight=2), decode("d2", inflight=9)],
+        [prefill("p0", inflight=3), prefill("p1", inflight=1)],
+    )
+    d = make_policy("least_loaded").route(REQ, snap, random.Random(0))
+    assert (d.prefill, d.decode) == ("p1", "d1")
+
+
+def test_length_counts_tokens_not_requests() -> None:
+    snap = pool(
+        [
+            decode("d0", inflight=1, remaining_output_tokens=900.0),
+            decode("d1", inflight=5, remaining_output_tokens=300.0),
+        ],
+        [
+            prefill("p0", inflight=1, queued_tokens=8000),
+            prefill("p1", inflight=4, queued_tokens=2000),
+        ],
+    )
+    d = make_policy("length").route(REQ, snap, random.Random(0))
+    assert (d.prefill, d.decode) == ("p1", "d1")
+
+
+def test_random_and_p2c_are_seeded() -> None:
+    snap = pool([decode(f"d{i}", inflight=i) for i in range(8)])
+    for name in ("random", "p2c"):
+        a = [make_policy(name).route(REQ, snap, random.Random(7)).decode for _ in range(1)]
+        b = [make_policy(name).route(REQ, snap, random.Random(7)).decode for _ in range(1)]
+        assert a == b
+
+
+def test_p2c_takes_the_less_loaded_of_its_two_samples() -> None:
+    snap = pool([decode("d0", inflight=0), decode("d1", inflight=10)])
+    assert make_policy("p2c").route(REQ, snap, random.Random(3)).decode == "d0"
+
+
+def test_calibrated_sends_less_work_to_a_slower_instance() -> None:
+    # Same counts everywhere; d1 is 40% slower: the calibrated scorer sees it, counting does not.
+    busy = {
+        "running": 40,
+        "kv_tokens_used": 60_000,
+        "inflight": 40,
+        "remaining_output_tokens": 4000.0,
+    }
+    snap = pool([decode("d0", **busy), decode("d1", profile=SLOW, **busy)])
+    d = make_policy("calibrated").route(REQ, snap, random.Random(0))
+    assert d.decode == "d0"
+    assert d.predicted_ttft_s is not None and d.predicted_tpot_s is not None
+    assert d.slo_feasible is True
+
+
+def test_calibrated_protects_requests_it_would_push_over_their_slo() -> None:
+    # d0 is faster but full of chat requests right at their TPOT target; d1 holds only code
+    # requests with plenty of slack. A new chat request should go where it breaks nobody.
+    # r_bar = 100 remaining tokens, growth 50 per sequence while r overlaps (COSTMODEL.md)
+    before = A40.decode.step(60, 60_000 + 60 * 50)
+    after = A40.decode.step(61, 61_000 + 61 * 50)
+    tight = (((before + after) / 2, 60),)
+    snap = pool(
+        [
+            decode(
+                "d0",
+                running=60,
+                kv_tokens_used=60 * 1000,
+                inflight=60,
+                remaining_output_tokens=6000.0,
+                tpot_targets=tight,
+            ),
+            decode(
+                "d1",
+                running=70,
+                kv_tokens_used=70 * 1000,
+                inflight=70,
+                remaining_output_tokens=7000.0,
+                tpot_targets=((0.2, 70),),
+            ),
+        ]
+    )
+    code = dataclasses.replace(REQ, slo=SLOClass("code", 3.5, 0.2))
+    assert make_policy("calibrated").route(code, snap, random.Random(0)).decode == "d1"
+
+
+def test_infeasible_everywhere_is_flagged() -> None:
+    impossible = dataclasses.replace(REQ, slo=SLOClass("rt", 0.001, 0.001))
+    d = make_policy("calibrated").route(
+        impossible, pool([decode("d0"), decode("d1")]), random.Random(0)
+    )
+    assert d.slo_feasible is False
+
+
+def test_scarcity_guard_bounds_piling_onto_the_cheapest_instance() -> None:
+    # d0 is much faster, so greedy sends everything there; the guard caps its share.
+    fast = A40.scaled(2.0, name="fast")
+    snap = pool(
+        [
+            decode("d0", profile=fast, inflight=30),
+            decode("d1", inflight=2),
+            decode("d2", inflight=2),
+        ]
+    )
+    greedy = make_policy("calibrated_greedy").route(REQ, snap, random.Random(0))
+    guarded = make_policy("calibrated").route(REQ, snap, random.Random(0))
+    assert greedy.decode == "d0"
+    assert guarded.decode != "d0" and guarded.guarded
+
+
+def test_uncalibrated_scores_with_the_datasheet_not_the_pods_profiles() -> None:
+    busy = {
+        "running": 40,
+        "kv_tokens_used": 60_000,
+        "inflight": 40,
+        "remaining_output_tokens": 4000.0,
+    }
+    snap = pool([decode("d0", profile=SLOW, **busy), decode("d1", **busy)])
+    ds = builtin_profile("a40-llama3-8b-datasheet")
+    unc = make_policy("uncalibrated", datasheet={"d0": ds, "d1": ds, "p0": ds, "p1": ds})
+    cal = make_policy("calibrated")
+    assert cal.route(REQ, snap, random.Random(0)).decode == "d1"
+    # identical datasheet constants and identical counts: the datasheet cannot tell them apart
+    d = unc.route(REQ, snap, random.Random(0))
+    assert d.policy == "uncalibrated"
+    assert d.predicted_tpot_s < cal.route(REQ, snap, random.Random(0)).predicted_tpot_s
+
+
+def test_missing_profiles_fall_back_and_say_so() -> None:
+    untrusted = dataclasses.replace(A40, quality="poor")
+    snap = pool([decode("d0"), decode("d1", profile=untrusted)])
+    assert (
+        make_policy("calibrated").route(REQ, snap, random.Random(0)).policy
+        == "calibrated(fallback)"
+    )
+    none = pool(
+        [decode("d0", profile=None), decode("d1", profile=None)], [prefill("p0", profile=None)]
+    )
+    assert (
+        make_policy("calibrated").route(REQ, none, random.Random(0)).policy
+        == "calibrated(no-profile)"
+    )
+
+
+def test_unhealthy_instances_are_never_chosen_and_none_left_raises() -> None:
+    snap = pool([decode("d0", healthy=False), decode("d1")])
+    for name in POLICY_NAMES:
+        policy = make_policy(name, datasheet={"d0": A40, "d1": A40, "p0": A40, "p1": A40})
+        for _ in range(4):
+            assert policy.route(REQ, snap, random.Random(1)).decode == "d1"
+    dead = pool([decode("d0", healthy=False)])
+    with pytest.raises(NoCapacityError):
+        make_policy("calibrated").route(REQ, dead, random.Random(0))
+    assert isinstance(CalibratedPolicy().name, str)
