@@ -25,16 +25,22 @@ from disaggpool.errors import InputError
 __all__ = ["main"]
 
 
-def _progress(desc: str) -> Any:
+def _progress(prefix: str) -> Any:
+    """A progress callback drawing one tqdm bar per stage on stderr."""
     from tqdm import tqdm
 
-    bar = tqdm(total=0, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+    bars: dict[str, Any] = {}
 
-    def update(done: int, total: int) -> None:
+    def update(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(
+                total=total, desc=f"{prefix}: {stage}", file=sys.stderr, dynamic_ncols=True
+            )
         bar.total = total
         bar.n = done
         bar.refresh()
-        if done == total:
+        if done >= total:
             bar.close()
 
     return update
@@ -72,7 +78,16 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
     from disaggpool.sim.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
-    rows = run_all(scenario.specs(), workers=args.workers, progress=_progress("sim run"))
+    specs = scenario.specs()
+    update = _progress("sim run")
+    done = 0
+
+    def tick(k: int) -> None:  # run_all reports increments; the bar wants (stage, done, total)
+        nonlocal done
+        done += k
+        update("runs", done, len(specs))
+
+    rows = run_all(specs, workers=args.workers, progress=tick)
     doc = {"experiments": {"run": rows}}
     print(
         paper._render(

@@ -169,7 +169,7 @@ def _section(data: Mapping[str, Any], key: str, source: str) -> dict[str, float]
         out[f] = _number(raw[f], f"{key}.{f}", source, positive=f in _POSITIVE)
     unknown = set(raw) - set(_FIELDS[key])
     if unknown:
-        raise InputError(source, f"{key}.{sorted(unknown)[0]}", "unknown field")
+        raise InputError(source, f"{key}.{min(map(str, unknown))}", "unknown field")
     return out
 
 
@@ -194,6 +194,9 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
     meta = data.get("metadata") or {}
     if not isinstance(meta, Mapping):
         raise InputError(source, "metadata", "must be a mapping")
+    unknown_meta = set(meta) - {"source", "quality", "fitted_at", "ttft_mape", "tpot_mape", "notes"}
+    if unknown_meta:  # a typo such as `qualty` would otherwise silently make a profile untrusted
+        raise InputError(source, f"metadata.{min(map(str, unknown_meta))}", "unknown field")
     src = meta.get("source", "user")
     if src not in SOURCES:
         raise InputError(
@@ -221,7 +224,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
     }
     unknown = set(data) - known
     if unknown:
-        raise InputError(source, sorted(unknown)[0], "unknown field")
+        raise InputError(source, min(map(str, unknown)), "unknown field")
     return CalibrationProfile(
         name=name,
         prefill=PrefillModel(**_section(data, "prefill", source)),

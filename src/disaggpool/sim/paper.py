@@ -25,7 +25,8 @@ Setup (every constant is chosen here once, from the principles in `sim.capacity`
 * SLO targets: multiples of unloaded latency (`sim.capacity`).
 
 Experiments: ``main`` (all policies x 3 traces x seeds), ``ablation`` (calibrated vs the same
-scorer on datasheet constants), ``pool_size`` (3..16 decode instances at fixed per-instance load),
+scorer on datasheet constants, on pools with growing hardware speed spread), ``pool_size`` (3..16
+decode instances, each pool at its own operating point),
 ``heterogeneity`` (log-normal length spread and SLO mix, each at its own operating point),
 ``scarcity`` (up to 3x the operating rate), ``gpu_count`` (4..8 GPUs at the rate 7 GPUs carry).
 """
@@ -65,6 +66,7 @@ ALL_POLICIES = (
 SWEEP_POLICIES = ("round_robin", "least_loaded", "length", "calibrated")
 SCARCITY_POLICIES = ("round_robin", "random", "calibrated_greedy", "calibrated")
 TRACE_CVS = (2.0, 3.0, 4.0)
+ABLATION_POLICIES = ("least_loaded", "uncalibrated", "calibrated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,7 @@ class PaperConfig:
     scarcity_loads: tuple[float, ...] = (0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
     gpu_counts: tuple[int, ...] = (4, 5, 6, 7, 8)
     sweep_requests: int = 4000
+    hardware_spread: tuple[float, ...] = (0.05, 0.15, 0.3)
 
     @classmethod
     def quick(cls) -> PaperConfig:
@@ -94,6 +97,7 @@ class PaperConfig:
             seeds=(1,),
             pool_sizes=(3, 6, 12),
             heterogeneity=(0.0, 1.0),
+            hardware_spread=(0.05, 0.3),
             scarcity_loads=(1.0, 1.5, 3.0),
             gpu_counts=(5, 6, 7),
             sweep_requests=900,
@@ -191,13 +195,16 @@ def _spec(
     n_decode: int,
     policy: str,
     seed: int,
+    speed_sigma: float = 0.05,
     **extra: Any,
 ) -> RunSpec:
     return RunSpec(
         experiment=experiment,
         trace_name=trace_name,
         trace=tuple(trace),
-        instances=tuple(build_pool(n_prefill, n_decode, setup.nominal, seed)),
+        instances=tuple(
+            build_pool(n_prefill, n_decode, setup.nominal, seed, speed_sigma=speed_sigma)
+        ),
         slo_classes=setup.slo,
         policy=policy,
         seed=seed,
@@ -221,10 +228,20 @@ class _Problem:
     n_decode: int
     guess: float  # analytic bottleneck capacity, brackets the search
     limit: int | None = None  # search on the first `limit` requests only (sweeps)
+    speed_sigma: float = 0.05
+
+
+Progress = Callable[[str, int, int], None]
+"""progress(stage, done, total): called as a long run advances."""
 
 
 def operating_rates(
-    setup: Setup, cfg: PaperConfig, problems: Sequence[_Problem], *, workers: int | None = None
+    setup: Setup,
+    cfg: PaperConfig,
+    problems: Sequence[_Problem],
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Bisection, all problems in lockstep so every step runs in parallel.
 
@@ -234,7 +251,9 @@ def operating_rates(
     """
     lo = [0.2 * p.guess for p in problems]
     hi = [2.0 * p.guess for p in problems]
-    for _ in range(cfg.bisection_steps):
+    for step in range(cfg.bisection_steps):
+        if progress:
+            progress(f"operating points ({len(problems)} pools)", step, cfg.bisection_steps)
         mids = [(a + b) / 2 for a, b in zip(lo, hi, strict=True)]
         specs = [
             _spec(
@@ -248,6 +267,7 @@ def operating_rates(
                 p.n_decode,
                 "round_robin",
                 cfg.seeds[0],
+                speed_sigma=p.speed_sigma,
             )
             for p, m in zip(problems, mids, strict=True)
         ]
@@ -256,10 +276,16 @@ def operating_rates(
                 lo[i] = mids[i]
             else:
                 hi[i] = mids[i]
+    if progress:
+        progress(
+            f"operating points ({len(problems)} pools)", cfg.bisection_steps, cfg.bisection_steps
+        )
     return lo
 
 
-def make_setup(cfg: PaperConfig, *, workers: int | None = None) -> Setup:
+def make_setup(
+    cfg: PaperConfig, *, workers: int | None = None, progress: Progress | None = None
+) -> Setup:
     nominal = builtin_profile(cfg.profile)
     services = azure_services()
     pairs = [mixed_trace(services, k, cfg) for k in range(3)]
@@ -292,7 +318,7 @@ def make_setup(cfg: PaperConfig, *, workers: int | None = None) -> Setup:
         for p in range(1, cfg.gpus)
         for k in range(3)
     ]
-    found = operating_rates(setup, cfg, problems, workers=workers)
+    found = operating_rates(setup, cfg, problems, workers=workers, progress=progress)
     per_split = {p: _mean(found[(p - 1) * 3 : p * 3]) for p in range(1, cfg.gpus)}
     best = max(per_split, key=lambda p: (round(per_split[p], 6), -p))
     rates = tuple(found[(best - 1) * 3 : best * 3])
@@ -305,7 +331,7 @@ def make_setup(cfg: PaperConfig, *, workers: int | None = None) -> Setup:
 
 
 def build_specs(
-    cfg: PaperConfig, setup: Setup, *, workers: int | None = None
+    cfg: PaperConfig, setup: Setup, *, workers: int | None = None, progress: Progress | None = None
 ) -> dict[str, list[RunSpec]]:
     n_p, n_d = setup.split
     specs: dict[str, list[RunSpec]] = {}
@@ -331,6 +357,39 @@ def build_specs(
     base, base_history = setup.traces[0], setup.histories[0]
     base_rate = setup.rates[0]
     seed0 = cfg.seeds[0]
+
+    # Calibration matters most where instances differ: the same comparison on pools whose boards
+    # spread more in speed (mixed clocks, thermal limits, degraded links).
+    spread_rates = operating_rates(
+        setup,
+        cfg,
+        [
+            _Problem(base, base_history, n_p, n_d, base_rate, cfg.sweep_requests, speed_sigma=sigma)
+            for sigma in cfg.hardware_spread
+        ],
+        workers=workers,
+        progress=progress,
+    )
+    specs["ablation"] = [
+        _spec(
+            setup,
+            cfg,
+            "ablation",
+            "mixed-0",
+            _head(_scaled(base, rate), cfg.sweep_requests),
+            base_history,
+            n_p,
+            n_d,
+            policy,
+            seed,
+            speed_sigma=sigma,
+            hardware_spread=sigma,
+        )
+        for sigma, rate in zip(cfg.hardware_spread, spread_rates, strict=True)
+        for seed in cfg.seeds
+        for policy in ABLATION_POLICIES
+    ]
+
     # Each pool size at its own operating point, so that every size is compared equally hot.
     sizes = [(max(1, round(d * n_p / n_d)), d) for d in cfg.pool_sizes]
     pool_rates = operating_rates(
@@ -348,6 +407,7 @@ def build_specs(
             for p, d in sizes
         ],
         workers=workers,
+        progress=progress,
     )
     specs["pool_size"] = [
         _spec(
@@ -386,6 +446,7 @@ def build_specs(
             for t, h in synthetic
         ],
         workers=workers,
+        progress=progress,
     )
     specs["heterogeneity"] = [
         _spec(
@@ -439,6 +500,7 @@ def build_specs(
             )
         ],
         workers=workers,
+        progress=progress,
     )
     trace = _head(_scaled(base, rate7), cfg.sweep_requests)
     candidates = {g: _near_split(g, n_p, n_d) for g in cfg.gpu_counts}
@@ -518,11 +580,11 @@ def run_paper(
     cfg: PaperConfig,
     *,
     workers: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """All experiments; returns the JSON document (``{"setup", "experiments", "findings"}``)."""
-    setup = make_setup(cfg, workers=workers)
-    specs = build_specs(cfg, setup, workers=workers)
+    setup = make_setup(cfg, workers=workers, progress=progress)
+    specs = build_specs(cfg, setup, workers=workers, progress=progress)
     flat = [s for group in specs.values() for s in group]
     total = len(flat)
     done = 0
@@ -531,17 +593,12 @@ def run_paper(
         nonlocal done
         done += k
         if progress:
-            progress(done, total)
+            progress("experiments", done, total)
 
     rows = run_all(flat, workers=workers, progress=tick)
     experiments: dict[str, list[dict[str, Any]]] = {}
     for spec, row in zip(flat, rows, strict=True):
         experiments.setdefault(spec.experiment, []).append(row)
-    experiments["ablation"] = [
-        {**r, "constants": "datasheet" if r["policy"] == "uncalibrated" else "calibrated"}
-        for r in experiments["main"]
-        if r["policy"] in ("calibrated", "uncalibrated", "least_loaded")
-    ]
     order = ("main", "ablation", "pool_size", "heterogeneity", "scarcity", "gpu_count")
     ordered = {name: experiments[name] for name in order}
     return {"setup": setup.describe(cfg), "experiments": ordered, "findings": findings(ordered)}
@@ -608,6 +665,11 @@ def findings(experiments: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out["main_lowest_std"] = all(cal["std"] <= main[p]["std"] for p in baselines)
     unc = main.get("uncalibrated")
     rr = main.get("round_robin")
+    abl = sweep_table(experiments["ablation"], "hardware_spread")
+    out["ablation_goodput_loss_points_by_spread"] = {
+        str(r["hardware_spread"]): round(100 * (r["calibrated"] - r["uncalibrated"]), 2)
+        for r in abl
+    }
     if cal and unc and rr:
         out["ablation_goodput_loss_points"] = round(100 * (cal["mean"] - unc["mean"]), 2)
         gain_cal = rr["ttft_p99_s"] - cal["ttft_p99_s"]
@@ -654,10 +716,15 @@ def tables(doc: dict[str, Any]) -> str:
         + "\n\n"
     )
     buf.write(_render("main: goodput per trace (mean over seeds)", main_table(exps["main"])))
-    buf.write(_render("ablation: calibrated vs datasheet constants", main_table(exps["ablation"])))
     buf.write(
         _render(
-            "pool_size: goodput vs decode instances (fixed per-instance load)",
+            "ablation: calibrated vs datasheet constants, by hardware speed spread (sigma)",
+            sweep_table(exps["ablation"], "hardware_spread"),
+        )
+    )
+    buf.write(
+        _render(
+            "pool_size: goodput vs decode instances (each at its operating point)",
             sweep_table(exps["pool_size"], "decode_pool"),
         )
     )
