@@ -120,3 +120,27 @@ def test_same_seed_same_bytes_different_seed_different_result() -> None:
 
     assert row(4) == row(4)
     assert row(4) != row(5)
+
+
+def test_rejected_requests_leave_no_trace_in_the_router_accounting() -> None:
+    from disaggpool.formats.traces import TraceRequest
+
+    reqs = list(trace(n=200, rate=8.0))
+    reqs[10] = TraceRequest(reqs[10].arrival_s, 9000, 50, "chat")  # longer than max_model_len
+    reqs[50] = TraceRequest(reqs[50].arrival_s, 12000, 50, "code")
+    instances = build_pool(2, 2, A40, seed=1)
+    sim = Simulation(
+        instances,
+        policy=make_policy("calibrated"),
+        predictor=make_predictor("online"),
+        slo_classes=SLO,
+        default_class="chat",
+        seed=1,
+    )
+    outcome = sim.run(reqs)
+    assert len(outcome.rejected) == 2
+    assert sum(1 for r in outcome.requests if r.finish >= 0) == 198
+    assert sim.router.inflight == [0, 0, 0, 0]
+    assert sim.router.tokens == [0, 0, 0, 0]
+    assert all(not t for t in sim.router.targets)
+    assert summarize(outcome, SLO)["rejected"] == 2

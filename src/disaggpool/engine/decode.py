@@ -126,6 +126,7 @@ class DecodeEngine:
         A prompt that can never fit in this instance's KV cache is rejected (vLLM answers 400).
         """
         if req.prompt_tokens + 1 > self.capacity:
+            req.rejected = True
             self.rejected.append(req)
             return []
         self.waiting.append(req)

@@ -61,6 +61,7 @@ class PrefillEngine:
 
     def enqueue(self, req: EngineRequest, now: float) -> None:
         if req.prompt_tokens > self.capacity or req.prompt_tokens > self.profile.max_model_len:
+            req.rejected = True
             self.rejected.append(req)
             return
         self.queue.append(req)

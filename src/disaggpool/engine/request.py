@@ -33,6 +33,7 @@ class EngineRequest:
     finish_step: int = 0
     generated: int = 0  # tokens already produced before a preemption
     recompute: bool = False
+    rejected: bool = False  # an engine refused it (prompt longer than it can ever hold)
 
     @property
     def ttft(self) -> float:

@@ -8,7 +8,9 @@ too. A malformed file raises `InputError` naming the file and the field. The sch
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -16,7 +18,28 @@ from disaggpool.core.hardware import BUILTIN_PROFILES
 from disaggpool.core.profile import CalibrationProfile, profile_from_dict, profile_to_dict
 from disaggpool.errors import InputError
 
-__all__ = ["dump_profile", "load_profile", "resolve_profile", "save_profile"]
+__all__ = ["dump_profile", "load_profile", "load_yaml", "resolve_profile", "save_profile"]
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``20e9`` and ``2.5e+3`` as floats.
+
+    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent, so the natural way
+    to write a bandwidth (``bandwidth_bytes_per_s: 20e9``) would load as a string; YAML 1.2
+    (and JSON) read it as a number, and so does this loader.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML safely, with YAML 1.2 exponent floats (used for profile and scenario files)."""
+    return yaml.load(text, Loader=_Loader)  # _Loader derives from SafeLoader
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:
@@ -26,7 +49,7 @@ def load_profile(path: str | Path) -> CalibrationProfile:
     except OSError as exc:
         raise InputError(str(path), "<file>", f"cannot read: {exc.strerror or exc}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise InputError(
             str(path), "<file>", f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"

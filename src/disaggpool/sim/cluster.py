@@ -159,6 +159,9 @@ class Simulation:
         req.decode_instance = decision.decode
         self.router.routed(req, p_idx, d_idx, features.slo.tpot_s)
         self._engines[p_idx].enqueue(req, now)
+        if req.rejected:  # never admitted: it must not linger in the router's accounting
+            self.router.dropped(req, p_idx, d_idx, features.slo.tpot_s)
+            return
         self._reschedule(p_idx)
 
     def _wake(self, idx: int, now: float) -> None:
@@ -168,6 +171,9 @@ class Simulation:
                 self.router.prefilled(req, idx)
                 d_idx = self._index[req.decode_instance]
                 started = self.decode[d_idx - len(self.prefill)].enqueue(req, now)
+                if req.rejected:  # the decode side can never hold it: free its prefill KV too
+                    engine.release(req, now)
+                    self.router.dropped(req, None, d_idx, self.slo_classes[req.slo_class].tpot_s)
                 self._after_decode(d_idx, started, [], [], now)
             self._reschedule(idx)
         else:

@@ -58,6 +58,14 @@ class RouterState:
         self.sq_tokens[p] -= n * n
         self.served[p] += 1
 
+    def dropped(self, req: EngineRequest, p: int | None, d: int, tpot_target: float) -> None:
+        """An engine refused the request: forget it (p is None when prefill already finished)."""
+        if p is not None:
+            self.prefilled(req, p)
+            self.served[p] -= 1
+        self.finished(req, d, tpot_target)
+        self.served[d] -= 1
+
     def finished(self, req: EngineRequest, d: int, tpot_target: float) -> None:
         self.inflight[d] -= 1
         self.tokens[d] -= req.prompt_tokens

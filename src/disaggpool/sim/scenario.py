@@ -21,7 +21,7 @@ from disaggpool.core.policies.registry import POLICY_NAMES
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
-from disaggpool.formats.profiles import resolve_profile
+from disaggpool.formats.profiles import load_yaml, resolve_profile
 from disaggpool.formats.traces import TraceRequest, read_trace
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import InstanceSpec
@@ -105,7 +105,7 @@ def load_scenario(path: str | Path) -> Scenario:
     rd = _Reader(str(path))
     try:
         text = path.read_text(encoding="utf-8")
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        raw = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except OSError as exc:
         raise rd.fail("<file>", f"cannot read: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -150,6 +150,8 @@ def load_scenario(path: str | Path) -> Scenario:
     predictor = doc.get("predictor", "online")
     try:
         make_predictor(str(predictor))
+    except InputError as exc:  # its source/field are "predictor"/the spec: keep the message
+        raise rd.fail("predictor", f"{predictor!r}: {exc.message}") from None
     except (KeyError, ValueError) as exc:
         raise rd.fail("predictor", str(exc).strip("'\"")) from None
     return Scenario(

@@ -1,0 +1,258 @@
+"""Tests of disaggpool.core.profile: dict round trips, scaling, trust, malformed profiles."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from disaggpool.core.hardware import BUILTIN_PROFILES, builtin_profile
+from disaggpool.core.profile import (
+    QUALITIES,
+    CalibrationProfile,
+    DecodeModel,
+    KVTransferModel,
+    PrefillModel,
+    profile_from_dict,
+    profile_to_dict,
+)
+from disaggpool.errors import InputError
+
+
+def _valid() -> dict[str, Any]:
+    return profile_to_dict(BUILTIN_PROFILES["a40-llama3-8b"])
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+def test_four_builtin_profiles() -> None:
+    assert set(BUILTIN_PROFILES) == {
+        "a40-llama3-8b",
+        "h100-llama3-8b",
+        "a40-llama3-8b-datasheet",
+        "h100-llama3-8b-datasheet",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_PROFILES))
+def test_builtin_round_trip(name: str) -> None:
+    profile = BUILTIN_PROFILES[name]
+    data = profile_to_dict(profile)
+    assert data["schema_version"] == 1
+    back = profile_from_dict(data, source=name)
+    assert back == profile
+    assert profile_to_dict(back) == data
+
+
+def test_round_trip_with_optional_metadata() -> None:
+    profile = dataclasses.replace(
+        BUILTIN_PROFILES["h100-llama3-8b"],
+        name="probed",
+        source="probe",
+        quality="poor",
+        fitted_at="2025-01-02T03:04:05Z",
+        ttft_mape=0.07,
+        tpot_mape=0.031,
+        notes="fitted on node 7",
+        block_size=32,
+        max_model_len=4096,
+    )
+    data = profile_to_dict(profile)
+    assert data["metadata"] == {
+        "source": "probe",
+        "quality": "poor",
+        "fitted_at": "2025-01-02T03:04:05Z",
+        "ttft_mape": 0.07,
+        "tpot_mape": 0.031,
+        "notes": "fitted on node 7",
+    }
+    assert profile_from_dict(data) == profile
+
+
+def test_defaults_for_optional_fields() -> None:
+    data = _valid()
+    for key in ("schema_version", "gpu", "model", "block_size", "max_model_len", "metadata"):
+        del data[key]
+    p = profile_from_dict(data)
+    assert (p.block_size, p.max_model_len, p.gpu, p.model) == (16, 8192, "", "")
+    assert (p.source, p.quality, p.trusted) == ("user", "unknown", False)
+    assert p.ttft_mape is None and p.tpot_mape is None
+
+
+def test_integers_accepted_for_coefficients() -> None:
+    data = _valid()
+    data["prefill"] = {"p0": 0, "p1": 1, "p2": 0}
+    p = profile_from_dict(data)
+    assert p.prefill == PrefillModel(0.0, 1.0, 0.0)
+    assert isinstance(p.prefill.p1, float)
+
+
+def test_builtin_profile_lookup() -> None:
+    assert builtin_profile("a40-llama3-8b") is BUILTIN_PROFILES["a40-llama3-8b"]
+    with pytest.raises(KeyError, match="valid: a40-llama3-8b"):
+        builtin_profile("nope")
+
+
+# --- the models --------------------------------------------------------------------------------
+
+
+def test_model_formulas() -> None:
+    pf = PrefillModel(0.01, 1e-4, 1e-8)
+    assert pf.prompt_time(1000) == pytest.approx(0.01 + 0.1 + 0.01)
+    assert pf.time(1500, 1000**2 + 500**2) == pytest.approx(0.01 + 0.15 + 0.0125)
+    dm = DecodeModel(0.03, 1e-4, 2e-7)
+    assert dm.step(10, 5000) == pytest.approx(0.03 + 0.001 + 0.001)
+    kv = KVTransferModel(0.002, 131072, 20e9)
+    assert kv.time(1000) == pytest.approx(0.002 + 1000 * 131072 / 20e9)
+
+
+# --- scaled ------------------------------------------------------------------------------------
+
+
+def test_scaled_divides_compute_terms_only() -> None:
+    base = BUILTIN_PROFILES["a40-llama3-8b"]
+    slow = base.scaled(0.8, name="slow")
+    assert slow.name == "slow"
+    for f in ("p0", "p1", "p2"):
+        assert getattr(slow.prefill, f) == pytest.approx(getattr(base.prefill, f) / 0.8)
+    for f in ("d0", "d1", "d2"):
+        assert getattr(slow.decode, f) == pytest.approx(getattr(base.decode, f) / 0.8)
+    assert slow.kv_transfer == base.kv_transfer
+    assert slow.kv_capacity_tokens == base.kv_capacity_tokens
+    assert slow.max_num_seqs == base.max_num_seqs
+    assert slow.max_num_batched_tokens == base.max_num_batched_tokens
+    assert (slow.source, slow.quality) == (base.source, base.quality)
+    assert slow.prefill.prompt_time(2000) == pytest.approx(base.prefill.prompt_time(2000) / 0.8)
+
+
+def test_scaled_keeps_name_and_identity_speed() -> None:
+    base = BUILTIN_PROFILES["h100-llama3-8b"]
+    assert base.scaled(2.0).name == base.name
+    same = base.scaled(1.0)
+    assert same.prefill == base.prefill and same.decode == base.decode
+    assert base.scaled(2.0).scaled(0.5).decode.d0 == pytest.approx(base.decode.d0)
+
+
+@pytest.mark.parametrize("speed", [0.0, -1.0])
+def test_scaled_rejects_non_positive_speed(speed: float) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        BUILTIN_PROFILES["a40-llama3-8b"].scaled(speed)
+
+
+# --- trusted -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quality", "trusted"), [("good", True), ("fair", True), ("poor", False), ("unknown", False)]
+)
+def test_trusted(quality: str, trusted: bool) -> None:
+    p = dataclasses.replace(BUILTIN_PROFILES["a40-llama3-8b"], quality=quality)
+    assert p.trusted is trusted
+
+
+def test_every_quality_is_covered() -> None:
+    assert set(QUALITIES) == {"good", "fair", "poor", "unknown"}
+
+
+def test_builtins_are_trusted() -> None:
+    assert all(p.trusted for p in BUILTIN_PROFILES.values())
+
+
+def test_profile_is_frozen() -> None:
+    p: CalibrationProfile = BUILTIN_PROFILES["a40-llama3-8b"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.name = "x"  # type: ignore[misc]
+
+
+# --- malformed profiles ------------------------------------------------------------------------
+
+Mutation = Callable[[dict[str, Any]], Any]
+
+
+def _drop_d1(d: dict[str, Any]) -> None:
+    del d["decode"]["d1"]
+
+
+def _set(path: str, value: Any) -> Mutation:
+    def mutate(d: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        target = d
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+
+    return mutate
+
+
+def _drop(key: str) -> Mutation:
+    def mutate(d: dict[str, Any]) -> None:
+        del d[key]
+
+    return mutate
+
+
+MALFORMED: list[tuple[str, Mutation, str]] = [
+    ("missing decode.d1", _drop_d1, "decode.d1"),
+    ("negative p1", _set("prefill.p1", -1e-4), "prefill.p1"),
+    (
+        "zero bandwidth",
+        _set("kv_transfer.bandwidth_bytes_per_s", 0),
+        "kv_transfer.bandwidth_bytes_per_s",
+    ),
+    (
+        "zero bytes per token",
+        _set("kv_transfer.bytes_per_token", 0.0),
+        "kv_transfer.bytes_per_token",
+    ),
+    ("string coefficient", _set("decode.d0", "fast"), "decode.d0"),
+    ("bool coefficient", _set("prefill.p0", True), "prefill.p0"),
+    ("infinite coefficient", _set("decode.d2", float("inf")), "decode.d2"),
+    ("nan coefficient", _set("prefill.p2", float("nan")), "prefill.p2"),
+    ("float capacity", _set("kv_capacity_tokens", 1.5e5), "kv_capacity_tokens"),
+    ("zero max_num_seqs", _set("max_num_seqs", 0), "max_num_seqs"),
+    ("string block_size", _set("block_size", "16"), "block_size"),
+    ("missing capacity", _drop("kv_capacity_tokens"), "kv_capacity_tokens"),
+    ("missing decode section", _drop("decode"), "decode"),
+    ("section not a mapping", _set("prefill", [1, 2, 3]), "prefill"),
+    ("missing name", _drop("name"), "name"),
+    ("empty name", _set("name", ""), "name"),
+    ("unknown top-level field", _set("colour", "blue"), "colour"),
+    ("unknown section field", _set("decode.d3", 0.1), "decode.d3"),
+    ("unknown metadata field", _set("metadata.qualty", "good"), "metadata.qualty"),
+    ("bad metadata.quality", _set("metadata.quality", "great"), "metadata.quality"),
+    ("bad metadata.source", _set("metadata.source", "guess"), "metadata.source"),
+    ("negative ttft_mape", _set("metadata.ttft_mape", -0.1), "metadata.ttft_mape"),
+    ("metadata not a mapping", _set("metadata", ["good"]), "metadata"),
+    ("bad schema_version", _set("schema_version", 2), "schema_version"),
+    ("string schema_version", _set("schema_version", "1"), "schema_version"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"), [(m, f) for _, m, f in MALFORMED], ids=[i for i, _, _ in MALFORMED]
+)
+def test_malformed_profile_names_field(mutate: Mutation, field: str) -> None:
+    data = copy.deepcopy(_valid())
+    mutate(data)
+    with pytest.raises(InputError) as info:
+        profile_from_dict(data, source="bad.yaml")
+    assert info.value.field == field
+    assert info.value.source == "bad.yaml"
+    assert str(info.value).startswith(f"bad.yaml: {field}: ")
+
+
+@pytest.mark.parametrize("root", [None, [], ["name"], "a40-llama3-8b", 42])
+def test_non_mapping_root(root: Any) -> None:
+    with pytest.raises(InputError) as info:
+        profile_from_dict(root, source="root.yaml")
+    assert info.value.field == "<root>"
+    assert info.value.source == "root.yaml"
+
+
+def test_input_error_is_value_error() -> None:
+    with pytest.raises(ValueError):
+        profile_from_dict({}, source="x")
