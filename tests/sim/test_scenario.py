@@ -404,3 +404,20 @@ def test_missing_scenario_file(tmp_path: Path) -> None:
     with pytest.raises(InputError) as info:
         load_scenario(tmp_path / "nope.yaml")
     assert info.value.field == "<file>"
+
+
+def test_onoff_generated_trace(tmp_path: Path) -> None:
+    path = tmp_path / "onoff.yaml"
+    path.write_text(
+        "pool:\n  prefill: [{profile: a40-llama3-8b}]\n  decode: [{profile: a40-llama3-8b, count: 2}]\n"
+        "slo_classes: [{name: chat, ttft_s: 2, tpot_s: 0.07}]\n"
+        "trace: {generate: {process: onoff, rate: 3, n: 300, burst_factor: 6, on_s: 5, off_s: 20}}\n"
+    )
+    scenario = load_scenario(path)
+    arrivals = [r.arrival_s for r in scenario.trace]
+    assert len(arrivals) == 300 and arrivals == sorted(arrivals)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("burst_factor: 6", "burst_factor: -1"))
+    with pytest.raises(InputError) as err:
+        load_scenario(bad)
+    assert err.value.field == "trace.generate.burst_factor"

@@ -78,20 +78,28 @@ class DecodeEngine:
         return self._extra + self._g * (m * alpha + beta * (m * self.step + m * (m - 1) * 0.5))
 
     def _steps_done_by(self, t: float) -> int:
-        """Number of whole steps after S completed by time t."""
-        if self.batch == 0:
+        """Number of whole steps after S completed by time t (closed form, then exact fix-up)."""
+        b = self.batch
+        if b == 0:
             return 0
-        r = (t - self.t_step - self._extra) / self._g
+        g = self._g
+        extra = self._extra
+        elapsed = t - self.t_step + _EPS
+        r = (elapsed - extra) / g
         if r <= 0:
             return 0
-        b = self.batch
         alpha = self._d0 + self._d1 * b + self._d2 * self._a
         beta = self._d2 * b
-        c = alpha + beta * (self.step - 0.5)
+        s0 = self.step
+        c = alpha + beta * (s0 - 0.5)
         m = int(r / c) if beta == 0 else int((-c + math.sqrt(c * c + 2.0 * beta * r)) / beta)
-        while self._steps_time(m + 1) <= t - self.t_step + _EPS:
+
+        def span(k: int) -> float:  # _steps_time(k), inlined for the hot path
+            return extra + g * (k * alpha + beta * (k * s0 + k * (k - 1) * 0.5))
+
+        while span(m + 1) <= elapsed:
             m += 1
-        while m > 0 and self._steps_time(m) > t - self.t_step + _EPS:
+        while m > 0 and span(m) > elapsed:
             m -= 1
         return m
 
@@ -102,9 +110,10 @@ class DecodeEngine:
     def kv_tokens_used(self, now: float) -> int:
         return self._kv_context(self.step + self._steps_done_by(now)) + self._reserved
 
-    def tokens_generated_running(self, now: float) -> int:
-        """Output tokens produced so far by the running sequences."""
-        return self.batch * (self.step + self._steps_done_by(now)) - self._gen_base
+    def observe(self, now: float) -> tuple[int, int]:
+        """(KV tokens in use, output tokens produced by the running sequences) at `now`."""
+        step = self.step + self._steps_done_by(now)
+        return self._a + self.batch * step + self._reserved, self.batch * step - self._gen_base
 
     @property
     def num_running(self) -> int:
@@ -133,6 +142,8 @@ class DecodeEngine:
         return self._admit(now)
 
     def _admit(self, now: float) -> list[EngineRequest]:
+        if not self.waiting:
+            return []
         started = []
         used = self.kv_tokens_used(now)
         while self.waiting:

@@ -98,14 +98,14 @@ class RouterState:
         for j, e in enumerate(self.decode):
             i = base + j
             running = e.num_running
-            generated = e.tokens_generated_running(now) if running else 0
+            kv_used, generated = e.observe(now)
             decode.append(
                 InstanceSnapshot(
                     name=e.name,
                     role="decode",
                     running=running,
                     waiting=e.num_waiting,
-                    kv_tokens_used=e.kv_tokens_used(now),
+                    kv_tokens_used=kv_used,
                     inflight=self.inflight[i],
                     queued=self.inflight[i] - running,
                     queued_tokens=self.tokens[i] - e.running_prompt_tokens,

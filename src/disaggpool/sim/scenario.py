@@ -262,7 +262,19 @@ def _generate(rd: _Reader, gen: Mapping[str, Any], seed: int) -> list[TraceReque
     rd.known(
         gen,
         "trace.generate",
-        {"process", "rate", "cv", "n", "prompt_mean", "output_mean", "sigma", "classes"},
+        {
+            "process",
+            "rate",
+            "cv",
+            "n",
+            "prompt_mean",
+            "output_mean",
+            "sigma",
+            "classes",
+            "on_s",
+            "off_s",
+            "burst_factor",
+        },
     )
     rng = random.Random(f"scenario:{seed}")
     n = rd.integer(gen.get("n", 1000), "trace.generate.n")
@@ -274,8 +286,19 @@ def _generate(rd: _Reader, gen: Mapping[str, Any], seed: int) -> list[TraceReque
         arrivals = workload.gamma_arrivals(
             rate, rd.number(gen.get("cv", 2.0), "trace.generate.cv", positive=True), n, rng
         )
+    elif process == "onoff":
+        arrivals = workload.onoff_arrivals(
+            rate,
+            n,
+            rng,
+            on_s=rd.number(gen.get("on_s", 10.0), "trace.generate.on_s", positive=True),
+            off_s=rd.number(gen.get("off_s", 30.0), "trace.generate.off_s", positive=True),
+            burst_factor=rd.number(
+                gen.get("burst_factor", 8.0), "trace.generate.burst_factor", positive=True
+            ),
+        )
     else:
-        raise rd.fail("trace.generate.process", f"must be poisson or gamma, got {process!r}")
+        raise rd.fail("trace.generate.process", f"must be poisson, gamma or onoff, got {process!r}")
     classes_raw = gen.get("classes", {"": 1.0})
     weights = rd.mapping(classes_raw, "trace.generate.classes")
     lengths = workload.lognormal_lengths(

@@ -1,0 +1,153 @@
+"""Helpers shared by the benchmark scripts in this folder: machine info, inputs, tables, JSON.
+
+Not a benchmark itself. The scripts import it as a sibling module (Python puts the script's own
+folder first on ``sys.path``), so nothing here needs the folder to be a package.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim import capacity, paper
+
+#: The nominal profile of the paper pool (Llama-3-8B on A40).
+PROFILE = "a40-llama3-8b"
+
+
+def cpu_model() -> str:
+    """The ``model name`` line of /proc/cpuinfo, or platform.processor() elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, cores, affinity, Python and the load average when the numbers were taken."""
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return {
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "sched_getaffinity": affinity,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "platform": platform.platform(),
+        "load_average_1_5_15": load_average(),
+    }
+
+
+def _proc_stat_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine since boot (all cores), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class Contention:
+    """How much CPU *other* processes used while a benchmark ran, in cores (0 = machine quiet).
+
+    Machine-wide busy time from /proc/stat minus this process's and its children's CPU time,
+    divided by the wall time. It sees only this (virtual) machine: a busy host is invisible.
+    """
+
+    def __init__(self) -> None:
+        self._busy = _proc_stat_busy_s()
+        self._own = self._own_cpu()
+        self._wall = time.perf_counter()
+
+    @staticmethod
+    def _own_cpu() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def other_cores(self) -> float:
+        busy = _proc_stat_busy_s()
+        wall = time.perf_counter() - self._wall
+        if busy is None or self._busy is None or wall <= 0:
+            return math.nan
+        other = (busy - self._busy) - (self._own_cpu() - self._own)
+        return round(max(0.0, other) / wall, 2)
+
+
+def machine_table(info: dict[str, Any]) -> str:
+    rows = [{"item": k, "value": str(v)} for k, v in info.items()]
+    return md_table(rows, ["item", "value"])
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """One line: CPU, cores, Python, date and the contention seen during the run."""
+    return (
+        f"Machine: {info['cpu_model']}, {info['cpu_count']} cores (affinity "
+        f"{info['sched_getaffinity']}), {info['python']}, {info['date_utc']}; load average "
+        f"{info['load_average_1_5_15']}; other processes' CPU during the run: "
+        f"{info.get('other_processes_cpu_cores_during_run', 'n/a')} cores."
+    )
+
+
+def paper_inputs() -> tuple[
+    list[TraceRequest], list[TraceRequest], dict[str, SLOClass], dict[str, list[TraceRequest]]
+]:
+    """Mixed trace 0 of `sim paper`, its predictor history, its SLO classes, the raw services.
+
+    The SLO classes are derived exactly as `paper.make_setup` derives them (from all three mixed
+    traces), so they equal the paper's targets.
+    """
+    cfg = paper.PaperConfig()
+    services = paper.azure_services()
+    pairs = [paper.mixed_trace(services, k, cfg) for k in range(3)]
+    slo = capacity.slo_targets(builtin_profile(PROFILE), [r for t, _ in pairs for r in t])
+    trace, history = pairs[0]
+    return trace, history, slo, services
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.3f}"
+    return str(v)
+
+
+def md_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+    """A GitHub markdown table of `rows` restricted to `cols`."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
