@@ -409,9 +409,11 @@ def test_missing_scenario_file(tmp_path: Path) -> None:
 def test_onoff_generated_trace(tmp_path: Path) -> None:
     path = tmp_path / "onoff.yaml"
     path.write_text(
-        "pool:\n  prefill: [{profile: a40-llama3-8b}]\n  decode: [{profile: a40-llama3-8b, count: 2}]\n"
+        "pool:\n  prefill: [{profile: a40-llama3-8b}]\n"
+        "  decode: [{profile: a40-llama3-8b, count: 2}]\n"
         "slo_classes: [{name: chat, ttft_s: 2, tpot_s: 0.07}]\n"
-        "trace: {generate: {process: onoff, rate: 3, n: 300, burst_factor: 6, on_s: 5, off_s: 20}}\n"
+        "trace: {generate: {process: onoff, rate: 3, n: 300, burst_factor: 6,"
+        " on_s: 5, off_s: 20}}\n"
     )
     scenario = load_scenario(path)
     arrivals = [r.arrival_s for r in scenario.trace]
