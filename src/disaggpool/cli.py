@@ -4,9 +4,13 @@
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool profile list
     disaggpool profile show NAME|FILE [--format yaml|json]
+    disaggpool calibrate --endpoint URL [--peer URL] --role prefill|decode --out FILE
+                         [--budget-seconds N] [--configmap NS/NAME] [--report FILE]
 
 Exit codes: 0 success, 2 bad input (the message names the file or argument and the field),
-1 anything unexpected. Later issues add `calibrate`, `emulate`, `sidecar`, `loadgen`, `demo`.
+1 anything unexpected. `calibrate` also: 3 the fit is poor (the profile is still written, with
+quality `poor` and the reason), 4 the pod could not be probed or the profile not delivered.
+Every `calibrate` flag can also come from the environment as DISAGGPOOL_<FLAG> (for Jobs).
 """
 
 from __future__ import annotations
@@ -52,12 +56,12 @@ def _write_json(doc: Any, path: str | None) -> None:
 
 
 def cmd_sim_paper(args: argparse.Namespace) -> int:
-    from disaggpool.sim import paper
+    from disaggpool.sim import paper, report
 
     cfg = paper.PaperConfig.quick() if args.quick else paper.PaperConfig()
     start = time.perf_counter()
     doc = paper.run_paper(cfg, workers=args.workers, progress=_progress("sim paper"))
-    print(paper.tables(doc))
+    print(report.tables(doc))
     print(
         f"({len([r for rows in doc['experiments'].values() for r in rows])} rows in "
         f"{time.perf_counter() - start:.1f} s)",
@@ -73,7 +77,7 @@ def cmd_sim_paper(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_run(args: argparse.Namespace) -> int:
-    from disaggpool.sim import paper
+    from disaggpool.sim import report
     from disaggpool.sim.runner import run_all
     from disaggpool.sim.scenario import load_scenario
 
@@ -90,7 +94,7 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
     rows = run_all(specs, workers=args.workers, progress=tick)
     doc = {"experiments": {"run": rows}}
     print(
-        paper._render(
+        report.render(
             f"run: {scenario.name}",
             [
                 {
@@ -120,6 +124,58 @@ def cmd_profile_show(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_POOR_FIT = 3
+EXIT_PROBE_FAILED = 4
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from disaggpool.calibration import sinks
+    from disaggpool.calibration.probe import ProbeConfig, ProbeError, run_probe
+
+    if not args.endpoint:
+        raise InputError("--endpoint", "endpoint", "required (or DISAGGPOOL_ENDPOINT)")
+    if not args.out and not args.configmap:
+        raise InputError("--out", "out", "give --out FILE, --out - (stdout) or --configmap NS/NAME")
+    cfg = ProbeConfig(
+        endpoint=args.endpoint,
+        role=args.role,
+        peer=args.peer or None,
+        name=args.name or args.endpoint.split("//")[-1].replace(":", "-").strip("/"),
+        budget_s=args.budget_seconds,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        gpu=args.gpu,
+    )
+    try:
+        result = run_probe(cfg, progress=_progress("calibrate"))
+    except ProbeError as exc:
+        print(f"disaggpool: probe failed: {exc}", file=sys.stderr)
+        return EXIT_PROBE_FAILED
+    try:
+        if args.out:
+            sinks.write_profile(result.profile, args.out)
+        if args.configmap:
+            sinks.write_configmap(result.profile, args.configmap, result.report)
+    except sinks.SinkError as exc:
+        print(f"disaggpool: {exc}", file=sys.stderr)
+        return EXIT_PROBE_FAILED
+    _write_json(result.report, args.report)
+    p = result.profile
+    print(
+        f"{p.name}: quality {p.quality} ({p.notes}); TTFT error {p.ttft_mape:.1%}, TPOT error "
+        f"{p.tpot_mape:.1%}; {result.report['elapsed_s']} s",
+        file=sys.stderr,
+    )
+    return EXIT_POOR_FIT if p.quality == "poor" else 0
+
+
+def _env(name: str, default: Any = None) -> Any:
+    import os
+
+    return os.environ.get(f"DISAGGPOOL_{name.upper()}", default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disaggpool", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"disaggpool {__version__}")
@@ -142,6 +198,35 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workers", type=int, default=None)
     r.set_defaults(func=cmd_sim_run)
 
+    c = sub.add_parser("calibrate", help="probe one vLLM pod and fit its calibration profile")
+    c.add_argument(
+        "--endpoint", default=_env("endpoint"), help="the pod's base URL, e.g. http://10.0.0.5:8000"
+    )
+    c.add_argument(
+        "--peer",
+        default=_env("peer"),
+        help="a prefill pod, to measure the KV transfer into this one",
+    )
+    c.add_argument("--role", choices=("prefill", "decode"), default=_env("role", "decode"))
+    c.add_argument("--out", default=_env("out"), help="profile file (.yaml/.json) or - for stdout")
+    c.add_argument(
+        "--configmap", default=_env("configmap"), metavar="NS/NAME", help="also write a ConfigMap"
+    )
+    c.add_argument(
+        "--report", default=_env("report"), metavar="FILE", help="write the fit report as JSON"
+    )
+    c.add_argument("--name", default=_env("name"), help="profile name (default: from the endpoint)")
+    c.add_argument("--gpu", default=_env("gpu", ""), help="GPU type recorded in the profile")
+    c.add_argument("--budget-seconds", type=float, default=float(_env("budget_seconds", 60)))
+    c.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)))
+    c.add_argument(
+        "--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 2048))
+    )
+    c.add_argument(
+        "--kv-bytes-per-token", type=int, default=int(_env("kv_bytes_per_token", 128 * 1024))
+    )
+    c.set_defaults(func=cmd_calibrate)
+
     prof = sub.add_parser("profile", help="built-in hardware profiles").add_subparsers(
         dest="profile_command", required=True
     )
@@ -158,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "workers", None) is not None and args.workers < 1:
         parser.error("--workers: must be at least 1")  # exits 2
+    if getattr(args, "budget_seconds", 1.0) <= 0:
+        parser.error("--budget-seconds: must be positive")
     try:
         return int(args.func(args))
     except InputError as exc:

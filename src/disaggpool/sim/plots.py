@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from disaggpool.sim import paper
+from disaggpool.sim import report
 
 __all__ = ["write_plots"]
 
@@ -40,7 +40,7 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     written = []
     exps = doc["experiments"]
 
-    table = paper.main_table(exps["main"])
+    table = report.main_table(exps["main"])
     fig, ax = plt.subplots(figsize=(8, 4))
     traces = [k for k in table[0] if k.startswith("mixed-")]
     width = 0.8 / len(table)
@@ -55,7 +55,7 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     written.append(_save(fig, directory / "main.png"))
 
     for name, key, xlabel, title in _SWEEPS:
-        rows = paper.sweep_table(exps[name], key)
+        rows = report.sweep_table(exps[name], key)
         fig, ax = plt.subplots(figsize=(6, 4))
         policies = [k for k in rows[0] if k != key]
         for policy in policies:
