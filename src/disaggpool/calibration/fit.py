@@ -1,0 +1,215 @@
+"""Fitting calibration constants from probe measurements: robust least squares, held-out error,
+bootstrap confidence intervals and a quality verdict.
+
+Pure (numpy only, no I/O, no clock; randomness from a seed): `calibration.probe` collects the
+samples over HTTP and calls `fit_profile`; tests feed it synthetic samples.
+
+Models fitted (the profile's formulas, `core.profile`):
+
+* prefill, from the TTFT of single requests on an idle engine:
+  ``TTFT(n) = p0 * ceil(n / M_b) + p1 * n + p2 * n**2`` (fixed HTTP overhead folds into p0,
+  which is what a router sees too);
+* decode, from the mean inter-token gap of B concurrent streams holding K context tokens:
+  ``ITL(B, K) = d0 + d1 * B + d2 * K``;
+* KV transfer, from the TTFT of decode legs on an idle decode engine whose prompt was prefilled
+  elsewhere: ``TTFT_D(n) = k0 + n * bytes_per_token / bandwidth + step(1, n)``; the decode step is
+  subtracted with the decode fit, so only the slope ``bytes_per_token / bandwidth`` and ``k0``
+  are identified (bytes per token comes from the model's shape).
+
+Robustness: Huber-weighted iteratively reweighted least squares, so a few requests delayed by a
+garbage collection or a noisy neighbour do not drag the fit. Coefficients are constrained to be
+non-negative (a negative time per token is never physical: the coefficient is then refitted at 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "DecodeSample",
+    "FitResult",
+    "PrefillSample",
+    "TransferSample",
+    "fit_decode",
+    "fit_prefill",
+    "fit_transfer",
+    "huber_nnls",
+    "verdict",
+]
+
+HOLDOUT_FRACTION = 0.25
+BOOTSTRAP_ROUNDS = 200
+#: Held-out mean absolute percentage error thresholds for the verdict (fractions).
+GOOD_MAPE = 0.10
+FAIR_MAPE = 0.25
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillSample:
+    prompt_tokens: int
+    ttft_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeSample:
+    batch: int
+    context_tokens: float
+    itl_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferSample:
+    prompt_tokens: int
+    ttft_s: float  # decode-leg TTFT on an idle decode engine
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FitResult:
+    """Coefficients with 95% bootstrap intervals and the held-out error of the fitted model."""
+
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+    ci_low: tuple[float, ...]
+    ci_high: tuple[float, ...]
+    holdout_mape: float
+    train_points: int
+    holdout_points: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "coefficients": dict(zip(self.names, self.coef, strict=True)),
+            "ci95": {
+                n: [lo, hi] for n, lo, hi in zip(self.names, self.ci_low, self.ci_high, strict=True)
+            },
+            "holdout_mape": self.holdout_mape,
+            "train_points": self.train_points,
+            "holdout_points": self.holdout_points,
+        }
+
+
+def huber_nnls(
+    x: np.ndarray, y: np.ndarray, *, iterations: int = 20, delta: float = 1.345
+) -> np.ndarray:
+    """Non-negative, Huber-weighted least squares of y ~ x (relative residuals).
+
+    Residuals are taken relative to y so that short and long requests weigh alike (a 5 ms error
+    on a 20 ms TTFT matters as much as 50 ms on 200 ms), as in DistServe's relative-error fits.
+    """
+    w_rel = 1.0 / np.maximum(np.abs(y), 1e-9)
+    weights = np.ones_like(y)
+    coef = np.zeros(x.shape[1])
+    for _ in range(iterations):
+        sw = np.sqrt(weights) * w_rel
+        coef = _nnls(x * sw[:, None], y * sw)
+        resid = (y - x @ coef) * w_rel
+        scale = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) or 1e-12
+        u = np.abs(resid) / (delta * scale)
+        new = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-12))
+        if np.allclose(new, weights, atol=1e-6):
+            break
+        weights = new
+    return coef
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients clamped at zero (active set, tiny problems only)."""
+    active = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        if active:
+            sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+            coef[active] = sol
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
+
+
+def _fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, seed: int) -> FitResult:
+    n = len(y)
+    if n < len(names) + 2:
+        raise ValueError(
+            f"need at least {len(names) + 2} samples to fit {', '.join(names)}, got {n}"
+        )
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    n_hold = max(1, round(HOLDOUT_FRACTION * n))
+    hold, train = order[:n_hold], order[n_hold:]
+    coef = huber_nnls(x[train], y[train])
+    pred = x[hold] @ coef
+    mape = float(np.mean(np.abs(pred - y[hold]) / np.maximum(np.abs(y[hold]), 1e-9)))
+    boots = np.empty((BOOTSTRAP_ROUNDS, len(names)))
+    for i in range(BOOTSTRAP_ROUNDS):
+        pick = rng.choice(train, size=len(train), replace=True)
+        boots[i] = huber_nnls(x[pick], y[pick], iterations=5)
+    low, high = np.percentile(boots, [2.5, 97.5], axis=0)
+    # The reported model is refitted on every point; the held-out error above is honest.
+    full = huber_nnls(x, y)
+    return FitResult(
+        names=names,
+        coef=tuple(float(c) for c in full),
+        ci_low=tuple(float(c) for c in low),
+        ci_high=tuple(float(c) for c in high),
+        holdout_mape=mape,
+        train_points=len(train),
+        holdout_points=n_hold,
+    )
+
+
+def fit_prefill(
+    samples: Sequence[PrefillSample], max_batched_tokens: int, seed: int = 0
+) -> FitResult:
+    n = np.array([s.prompt_tokens for s in samples], dtype=float)
+    x = np.column_stack([np.ceil(n / max_batched_tokens), n, n * n])
+    y = np.array([s.ttft_s for s in samples], dtype=float)
+    return _fit(("p0", "p1", "p2"), x, y, seed)
+
+
+def fit_decode(samples: Sequence[DecodeSample], seed: int = 0) -> FitResult:
+    x = np.column_stack(
+        [
+            np.ones(len(samples)),
+            np.array([s.batch for s in samples], dtype=float),
+            np.array([s.context_tokens for s in samples], dtype=float),
+        ]
+    )
+    y = np.array([s.itl_s for s in samples], dtype=float)
+    return _fit(("d0", "d1", "d2"), x, y, seed)
+
+
+def fit_transfer(samples: Sequence[TransferSample], decode: FitResult, seed: int = 0) -> FitResult:
+    """k0 and seconds per token of the KV pull, after removing D's first step."""
+    d0, d1, d2 = decode.coef
+    n = np.array([s.prompt_tokens for s in samples], dtype=float)
+    y = np.array([s.ttft_s for s in samples], dtype=float) - (d0 + d1 + d2 * n)
+    y = np.maximum(y, 1e-6)
+    x = np.column_stack([np.ones(len(samples)), n])
+    return _fit(("k0", "s_per_token"), x, y, seed)
+
+
+def verdict(fits: Sequence[FitResult]) -> tuple[str, str]:
+    """(quality, reason): good/fair/poor from held-out error and interval widths."""
+    worst = max(f.holdout_mape for f in fits)
+    reasons = []
+    for f in fits:
+        if f.holdout_mape > FAIR_MAPE:
+            reasons.append(
+                f"{'/'.join(f.names)} held-out error {f.holdout_mape:.0%} > {FAIR_MAPE:.0%}"
+            )
+        for name, c, lo, hi in zip(f.names, f.coef, f.ci_low, f.ci_high, strict=True):
+            # A dominant coefficient whose interval spans more than its own size is not determined.
+            if c > 0 and hi - lo > 2.0 * c and name in ("p1", "d0", "s_per_token"):
+                reasons.append(f"{name} poorly determined (95% CI {lo:.3g}..{hi:.3g})")
+    if reasons:
+        return "poor", "; ".join(reasons)
+    if worst <= GOOD_MAPE:
+        return "good", f"held-out error {worst:.1%}"
+    return "fair", f"held-out error {worst:.1%} (> {GOOD_MAPE:.0%})"
+
+
+def finite(values: Sequence[float]) -> bool:
+    return all(math.isfinite(v) for v in values)

@@ -1,0 +1,107 @@
+"""Where a fitted profile goes: a file, stdout, or a ConfigMap through the Kubernetes API.
+
+The probe runs as a Kubernetes Job; the operator reads the ConfigMap it writes. The ConfigMap
+is written with the pod's service-account token over the API server's REST interface (create,
+or replace when it exists), so the probe image needs no Kubernetes client library. Outside a
+cluster, `KUBERNETES_API` and `KUBERNETES_TOKEN` point it at any API server (tests use that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.formats.profiles import dump_profile
+
+__all__ = ["SinkError", "write_configmap", "write_profile"]
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+PROFILE_KEY = "profile.yaml"
+
+
+class SinkError(RuntimeError):
+    """The profile could not be delivered."""
+
+
+def write_profile(profile: CalibrationProfile, out: str) -> None:
+    """`out` is a path (.yaml/.yml/.json) or '-' for stdout."""
+    if out == "-":
+        sys.stdout.write(dump_profile(profile))
+        return
+    path = Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            dump_profile(profile, "json" if path.suffix == ".json" else "yaml"), encoding="utf-8"
+        )
+    except OSError as exc:
+        raise SinkError(f"{out}: cannot write: {exc.strerror or exc}") from None
+
+
+def _api() -> tuple[str, str, ssl.SSLContext | None]:
+    base = os.environ.get("KUBERNETES_API")
+    token = os.environ.get("KUBERNETES_TOKEN")
+    context: ssl.SSLContext | None = None
+    if not base:
+        host, port = (
+            os.environ.get("KUBERNETES_SERVICE_HOST"),
+            os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+        )
+        if not host:
+            raise SinkError("no Kubernetes API: not in a cluster and KUBERNETES_API is not set")
+        base = f"https://{host}:{port}"
+        context = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
+    if token is None:
+        try:
+            token = (SA_DIR / "token").read_text().strip()
+        except OSError:
+            raise SinkError("no service-account token and KUBERNETES_TOKEN is not set") from None
+    if base.startswith("https") and context is None:
+        context = ssl.create_default_context()
+        if os.environ.get("KUBERNETES_INSECURE") == "1":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    return base.rstrip("/"), token, context
+
+
+def write_configmap(
+    profile: CalibrationProfile,
+    target: str,
+    report: dict[str, object],
+    labels: dict[str, str] | None = None,
+) -> None:
+    """Create or replace ConfigMap `namespace/name` holding the profile and the fit report."""
+    namespace, _, name = target.partition("/")
+    if not namespace or not name:
+        raise SinkError(f"--configmap: expected NAMESPACE/NAME, got {target!r}")
+    base, token, context = _api()
+    body = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
+        "data": {PROFILE_KEY: dump_profile(profile), "report.json": json.dumps(report, indent=1)},
+    }
+    url = f"{base}/api/v1/namespaces/{namespace}/configmaps"
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    def send(method: str, target_url: str) -> int:
+        req = urllib.request.Request(target_url, json.dumps(body).encode(), headers, method=method)
+        try:
+            with urllib.request.urlopen(req, context=context, timeout=30) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (urllib.error.URLError, OSError) as exc:
+            raise SinkError(f"Kubernetes API at {base} unreachable: {exc}") from None
+
+    status = send("POST", url)
+    if status == 409:  # exists: replace it
+        status = send("PUT", f"{url}/{name}")
+    if status not in (200, 201):
+        raise SinkError(f"writing ConfigMap {target} failed with HTTP {status}")

@@ -1,0 +1,96 @@
+"""The fitting core recovers known constants from noisy synthetic probe data, and says when not."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from disaggpool.calibration import fit
+from disaggpool.core.hardware import builtin_profile
+
+A40 = builtin_profile("a40-llama3-8b")
+H100 = builtin_profile("h100-llama3-8b")
+
+
+def prefill_samples(profile, rng, noise=0.02, outliers=0):
+    out = []
+    for n in [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6000] * 3:
+        t = (
+            profile.prefill.p0 * math.ceil(n / profile.max_num_batched_tokens)
+            + profile.prefill.p1 * n
+        )
+        t += profile.prefill.p2 * n * n
+        out.append(fit.PrefillSample(n, t * (1 + rng.gauss(0, noise))))
+    for i in range(outliers):  # a few requests hit by a pause
+        out[i * 5] = fit.PrefillSample(out[i * 5].prompt_tokens, out[i * 5].ttft_s * 4)
+    return out
+
+
+def decode_samples(profile, rng, noise=0.02):
+    out = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (128, 1024, 2048):
+            k = b * ctx
+            out.append(
+                fit.DecodeSample(b, k, profile.decode.step(b, k) * (1 + rng.gauss(0, noise)))
+            )
+    return out
+
+
+@pytest.mark.parametrize("profile", [A40, H100], ids=["a40", "h100"])
+def test_recovers_prefill_and_decode_constants_within_10_percent(profile) -> None:
+    rng = random.Random(1)
+    pre = fit.fit_prefill(prefill_samples(profile, rng), profile.max_num_batched_tokens)
+    dec = fit.fit_decode(decode_samples(profile, rng))
+    p0, p1, _ = pre.coef
+    assert p1 == pytest.approx(profile.prefill.p1, rel=0.10)
+    assert p0 == pytest.approx(profile.prefill.p0, rel=0.5, abs=2e-3)  # small next to p1 * n
+    d0, _, d2 = dec.coef
+    assert d0 == pytest.approx(profile.decode.d0, rel=0.10)
+    assert d2 == pytest.approx(profile.decode.d2, rel=0.10)
+    assert pre.holdout_mape < 0.10 and dec.holdout_mape < 0.10
+    for f in (pre, dec):
+        for c, lo, hi in zip(f.coef, f.ci_low, f.ci_high, strict=True):
+            assert lo <= hi and lo - 1e-12 <= c * 1.5 + 1e-9
+    assert fit.verdict([pre, dec])[0] == "good"
+
+
+def test_outliers_do_not_drag_the_robust_fit() -> None:
+    rng = random.Random(2)
+    pre = fit.fit_prefill(prefill_samples(A40, rng, outliers=4), A40.max_num_batched_tokens)
+    assert pre.coef[1] == pytest.approx(A40.prefill.p1, rel=0.10)
+
+
+def test_transfer_slope_after_removing_the_first_decode_step() -> None:
+    rng = random.Random(3)
+    dec = fit.fit_decode(decode_samples(A40, rng))
+    samples = []
+    for n in [64, 128, 256, 512, 1024, 2048, 4096] * 3:
+        t = A40.kv_transfer.time(n) + A40.decode.step(1, n)
+        samples.append(fit.TransferSample(n, t * (1 + rng.gauss(0, 0.01))))
+    xfer = fit.fit_transfer(samples, dec)
+    slope = A40.kv_transfer.bytes_per_token / A40.kv_transfer.bandwidth_bytes_per_s
+    assert xfer.coef[1] == pytest.approx(slope, rel=0.15)
+
+
+def test_noise_makes_a_poor_verdict_with_a_reason() -> None:
+    rng = random.Random(4)
+    pre = fit.fit_prefill(prefill_samples(A40, rng, noise=0.6), A40.max_num_batched_tokens)
+    quality, reason = fit.verdict([pre])
+    assert quality == "poor"
+    assert "held-out error" in reason or "poorly determined" in reason
+
+
+def test_too_few_samples_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least"):
+        fit.fit_decode([fit.DecodeSample(1, 100, 0.03)] * 3)
+
+
+def test_non_negative_coefficients() -> None:
+    # y does not grow with B: an unconstrained fit could return a negative d1
+    samples = [
+        fit.DecodeSample(b, 1000 * b, 0.03 + 1e-7 * 1000 * b - 1e-5 * b) for b in range(1, 20)
+    ]
+    assert min(fit.fit_decode(samples).coef) >= 0.0
