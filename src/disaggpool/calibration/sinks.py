@@ -2,7 +2,7 @@
 
 The probe runs as a Kubernetes Job; the operator reads the ConfigMap it writes. The ConfigMap
 is written with the pod's service-account token over the API server's REST interface (create,
-or replace when it exists), so the probe image needs no Kubernetes client library. Outside a
+or merge-patch when it exists), so the probe image needs no Kubernetes client library. Outside a
 cluster, `KUBERNETES_API` and `KUBERNETES_TOKEN` point it at any API server (tests use that).
 """
 
@@ -90,8 +90,9 @@ def write_configmap(
     url = f"{base}/api/v1/namespaces/{namespace}/configmaps"
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
-    def send(method: str, target_url: str) -> int:
-        req = urllib.request.Request(target_url, json.dumps(body).encode(), headers, method=method)
+    def send(method: str, target_url: str, content_type: str = "application/json") -> int:
+        hdrs = {**headers, "Content-Type": content_type}
+        req = urllib.request.Request(target_url, json.dumps(body).encode(), hdrs, method=method)
         try:
             with urllib.request.urlopen(req, context=context, timeout=30) as resp:
                 return int(resp.status)
@@ -101,7 +102,7 @@ def write_configmap(
             raise SinkError(f"Kubernetes API at {base} unreachable: {exc}") from None
 
     status = send("POST", url)
-    if status == 409:  # exists: replace it
-        status = send("PUT", f"{url}/{name}")
+    if status == 409:  # exists (a re-probe): merge-patch its data and labels
+        status = send("PATCH", f"{url}/{name}", "application/merge-patch+json")
     if status not in (200, 201):
         raise SinkError(f"writing ConfigMap {target} failed with HTTP {status}")
