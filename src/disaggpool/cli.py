@@ -4,6 +4,7 @@
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool profile list
     disaggpool profile show NAME|FILE [--format yaml|json]
+    disaggpool emulate --profile NAME|FILE [--port 8000] [...]     (see `disaggpool emulate -h`)
     disaggpool calibrate --endpoint URL [--peer URL] --role prefill|decode --out FILE
                          [--budget-seconds N] [--configmap NS/NAME] [--report FILE]
 
@@ -226,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-bytes-per-token", type=int, default=int(_env("kv_bytes_per_token", 128 * 1024))
     )
     c.set_defaults(func=cmd_calibrate)
+
+    from disaggpool.emulator import cli as emulator_cli
+
+    e = sub.add_parser("emulate", help="serve a vLLM-compatible emulator timed by a profile")
+    emulator_cli.build_parser(e)
+    e.set_defaults(func=emulator_cli.run)
 
     prof = sub.add_parser("profile", help="built-in hardware profiles").add_subparsers(
         dest="profile_command", required=True

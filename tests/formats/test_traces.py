@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -140,13 +139,10 @@ def test_real_azure_traces(name: str, rows: int, duration_s: float, first: tuple
     path = AZURE_DIR / name
     if not path.is_file():
         pytest.skip(f"{path} not available (set DISAGGPOOL_SHARED)")
-    start = time.perf_counter()
     requests = read_trace(path, default_class="azure")
-    elapsed = time.perf_counter() - start
     # `wc -l` also reports these numbers, but the files have a header and no final newline,
     # so they are the number of data rows.
     assert len(requests) == rows
-    assert elapsed < 1.0
     assert requests[0].arrival_s == 0.0
     assert (requests[0].prompt_tokens, requests[0].output_tokens) == first
     assert requests[-1].arrival_s == pytest.approx(duration_s, abs=1e-9)

@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 HOLDOUT_FRACTION = 0.25
+NOISE_FLOOR_S = 0.005
 BOOTSTRAP_ROUNDS = 200
 #: Held-out mean absolute percentage error thresholds for the verdict (fractions).
 GOOD_MAPE = 0.10
@@ -97,9 +98,11 @@ def huber_nnls(
     """Non-negative, Huber-weighted least squares of y ~ x (relative residuals).
 
     Residuals are taken relative to y so that short and long requests weigh alike (a 5 ms error
-    on a 20 ms TTFT matters as much as 50 ms on 200 ms), as in DistServe's relative-error fits.
+    on a 20 ms TTFT matters as much as 50 ms on 200 ms), as in DistServe's relative-error fits,
+    but never relative to less than `NOISE_FLOOR_S`: below it, HTTP and timer noise dominate and
+    relative errors would hand the fit to the noisiest points.
     """
-    w_rel = 1.0 / np.maximum(np.abs(y), 1e-9)
+    w_rel = 1.0 / np.maximum(np.abs(y), NOISE_FLOOR_S)
     weights = np.ones_like(y)
     coef = np.zeros(x.shape[1])
     for _ in range(iterations):
@@ -129,7 +132,14 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         active.remove(min(negative, key=lambda i: coef[i]))
 
 
-def _fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, seed: int) -> FitResult:
+def _fit(
+    names: tuple[str, ...],
+    x: np.ndarray,
+    y: np.ndarray,
+    seed: int,
+    offset: np.ndarray | None = None,
+) -> FitResult:
+    """Fit y ~ x; the held-out error is relative to ``y + offset`` (what was actually measured)."""
     n = len(y)
     if n < len(names) + 2:
         raise ValueError(
@@ -141,7 +151,8 @@ def _fit(names: tuple[str, ...], x: np.ndarray, y: np.ndarray, seed: int) -> Fit
     hold, train = order[:n_hold], order[n_hold:]
     coef = huber_nnls(x[train], y[train])
     pred = x[hold] @ coef
-    mape = float(np.mean(np.abs(pred - y[hold]) / np.maximum(np.abs(y[hold]), 1e-9)))
+    measured = y[hold] + (offset[hold] if offset is not None else 0.0)
+    mape = float(np.mean(np.abs(pred - y[hold]) / np.maximum(np.abs(measured), NOISE_FLOOR_S)))
     boots = np.empty((BOOTSTRAP_ROUNDS, len(names)))
     for i in range(BOOTSTRAP_ROUNDS):
         pick = rng.choice(train, size=len(train), replace=True)
@@ -185,10 +196,11 @@ def fit_transfer(samples: Sequence[TransferSample], decode: FitResult, seed: int
     """k0 and seconds per token of the KV pull, after removing D's first step."""
     d0, d1, d2 = decode.coef
     n = np.array([s.prompt_tokens for s in samples], dtype=float)
-    y = np.array([s.ttft_s for s in samples], dtype=float) - (d0 + d1 + d2 * n)
-    y = np.maximum(y, 1e-6)
+    first_step = d0 + d1 + d2 * n
+    y = np.maximum(np.array([s.ttft_s for s in samples], dtype=float) - first_step, 1e-6)
     x = np.column_stack([np.ones(len(samples)), n])
-    return _fit(("k0", "s_per_token"), x, y, seed)
+    # Judge the fit on the decode-leg TTFT it predicts, not on the small remainder alone.
+    return _fit(("k0", "s_per_token"), x, y, seed, offset=first_step)
 
 
 def verdict(fits: Sequence[FitResult]) -> tuple[str, str]:

@@ -43,7 +43,7 @@ Progress = Callable[[str, int, int], None]
 PREFILL_SHARE = 0.30
 DECODE_SHARE = 0.45
 TRANSFER_SHARE = 0.20
-DECODE_TOKENS = 24  # tokens per stream in the decode stage; the first 3 and last 2 gaps are dropped
+DECODE_TOKENS = 24  # tokens per stream in the decode stage
 TOKEN_IDS = range(100, 400)  # valid ids for any vocabulary of 512 tokens or more
 
 
@@ -119,6 +119,23 @@ class _Client:
         blocks, block_size = parse_cache_config(metrics)
         return _Pod(url, model, max_len, blocks * block_size, block_size)
 
+    async def http_overhead(self, pod: _Pod, rounds: int = 7) -> float:
+        """Median latency of a trivial API call: the HTTP and API-server cost in every TTFT.
+
+        It is subtracted from the measured TTFTs, so that the constants describe the engine and
+        the same profile fits a pod measured through a slower or faster network path.
+        """
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            async with self.session.post(
+                f"{pod.url}/tokenize", json={"model": pod.model, "prompt": "hi"}
+            ) as resp:
+                await resp.read()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        return times[len(times) // 2]
+
     def prompt(self, n: int) -> list[int]:
         return [self.rng.choice(TOKEN_IDS) for _ in range(n)]
 
@@ -180,7 +197,7 @@ class _Client:
 async def _prefill_stage(
     client: _Client, pod: _Pod, deadline: float, progress: Progress | None
 ) -> list[fit.PrefillSample]:
-    top = max(16, min(pod.max_model_len - 8, 4096))
+    top = max(16, min(pod.max_model_len - 8, 8192))  # long prompts pin down the quadratic term
     grid = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
     plan = grid * 3
     random.Random(1).shuffle(plan)  # interleave lengths so an early stop keeps the spread
@@ -200,8 +217,10 @@ async def _decode_stage(
     client: _Client, pod: _Pod, cfg: ProbeConfig, deadline: float, progress: Progress | None
 ) -> list[fit.DecodeSample]:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs]
-    contexts = [c for c in (64, 512) if c + DECODE_TOKENS < pod.max_model_len]
-    plan = [(b, c) for b in batches for c in contexts]
+    # Two context lengths far apart separate the per-sequence and per-context-token costs.
+    contexts = [c for c in (32, 1536) if c + DECODE_TOKENS < pod.max_model_len]
+    # Twice through the grid, the second pass only if the budget allows: step noise averages out.
+    plan = [(b, c) for b in batches for c in contexts] * 2
     samples: list[fit.DecodeSample] = []
     for i, (b, ctx) in enumerate(plan):
         if time.perf_counter() > deadline and len(samples) >= 6:
@@ -209,10 +228,20 @@ async def _decode_stage(
         if b * (ctx + DECODE_TOKENS) > 0.8 * pod.kv_capacity_tokens:
             continue  # would preempt: the step model does not describe preemption
         runs = await asyncio.gather(*(client.stream(pod, ctx, DECODE_TOKENS) for _ in range(b)))
-        gaps = [t[j + 1] - t[j] for t in runs for j in range(3, len(t) - 2)]
-        if gaps:
-            gaps.sort()
-            itl = gaps[len(gaps) // 2]  # median: robust to the stragglers' prefill steps
+        # Only the window in which all B streams decode: before the last one joined, steps also
+        # carried prefill work; after the first one finished, the batch was smaller. Per stream,
+        # elapsed time over tokens in the window: a delivery stall followed by a burst of tokens
+        # does not change it, where a per-gap statistic would.
+        joined = max(t[1] for t in runs if len(t) > 1)
+        leaving = min(t[-1] for t in runs)
+        rates = []
+        for t in runs:
+            inside = [x for x in t[1:] if joined <= x <= leaving]
+            if len(inside) >= 4:
+                rates.append((inside[-1] - inside[0]) / (len(inside) - 1))
+        if rates:
+            rates.sort()
+            itl = rates[len(rates) // 2]
             samples.append(fit.DecodeSample(b, b * (ctx + DECODE_TOKENS / 2), itl))
         if progress:
             progress("decode", i + 1, len(plan))
@@ -268,6 +297,7 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         peer = await client.discover(cfg.peer.rstrip("/")) if cfg.peer else None
         budget = cfg.budget_s
         try:
+            overhead = await client.http_overhead(pod)
             pre = await _prefill_stage(client, pod, start + PREFILL_SHARE * budget, progress)
             dec = await _decode_stage(
                 client, pod, cfg, start + (PREFILL_SHARE + DECODE_SHARE) * budget, progress
@@ -280,6 +310,8 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ProbeError(f"probe requests failed: {exc!r}") from None
     elapsed = time.perf_counter() - start
+    pre = [fit.PrefillSample(s.prompt_tokens, max(1e-6, s.ttft_s - overhead)) for s in pre]
+    xfer = [fit.TransferSample(s.prompt_tokens, max(1e-6, s.ttft_s - overhead)) for s in xfer]
     try:
         pre_fit = fit.fit_prefill(pre, cfg.max_num_batched_tokens, cfg.seed)
         dec_fit = fit.fit_decode(dec, cfg.seed)
@@ -318,6 +350,7 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         "peer": cfg.peer,
         "role": cfg.role,
         "elapsed_s": round(elapsed, 3),
+        "http_overhead_s": round(overhead, 6),
         "budget_s": cfg.budget_s,
         "samples": {"prefill": len(pre), "decode": len(dec), "transfer": len(xfer)},
         "fits": {

@@ -1,0 +1,132 @@
+"""`main(argv)`: the command line of the emulator (wired as ``disaggpool emulate``).
+
+    disaggpool emulate --profile NAME|FILE [--port 8000] [--host 127.0.0.1] [--model M]
+                       [--served-model-name NAME ...] [--max-model-len N] [--seed S]
+                       [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
+                       [--startup-delay SECONDS]
+
+Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
+by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
+`VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; really listened on). Exit codes: 0 after a signal,
+2 bad input (the message names the flag or file and the field), 1 anything else (for example a
+port already in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from disaggpool.emulator.config import EmulatorConfig, side_channel_from_env
+from disaggpool.emulator.server import serve
+from disaggpool.errors import InputError
+from disaggpool.formats.profiles import resolve_profile
+
+__all__ = ["build_parser", "config_from_args", "main", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The emulator's flags, on a new parser or added to a subcommand's."""
+    p = parser or argparse.ArgumentParser(
+        prog="disaggpool emulate",
+        description="Serve a GPU-free stand-in for vLLM 0.33 whose timing follows a profile.",
+    )
+    p.add_argument("--profile", required=True, help="built-in profile name or profile file")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    p.add_argument("--model", default="", help="model path or name (default: the profile's)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API accepts; the first is the /v1/models id and the metrics label",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
+    p.add_argument("--seed", type=int, default=0, help="seed of output tokens and jitter")
+    p.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        default=30.0,
+        help="seconds a prefill leg's KV blocks wait for the decode side (default 30)",
+    )
+    p.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="answer 503 while this many requests wait (default: no limit)",
+    )
+    p.add_argument("--jitter", type=float, default=0.03, help="relative std-dev of iteration times")
+    p.add_argument(
+        "--startup-delay",
+        type=float,
+        default=0.0,
+        help="seconds before the port listens, like vLLM loading a model (default 0)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    """Resolve the profile and the side-channel environment; raises `InputError`."""
+    profile = resolve_profile(args.profile)
+    host, port = side_channel_from_env()
+    return EmulatorConfig(
+        profile=profile,
+        model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        kv_lease_duration=args.kv_lease_duration,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        jitter=args.jitter,
+        startup_delay=args.startup_delay,
+        host=args.host,
+        port=args.port,
+        side_channel_host=host,
+        side_channel_port=port,
+    )
+
+
+async def _run(config: EmulatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    running = await serve(config)
+    print(
+        f"disaggpool emulate: serving {config.served_name} on http://{config.host}:"
+        f"{running.port} (side channel {config.side_channel_host}:{running.side_channel_port})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await running.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; `args` from `build_parser` (or a subcommand built with it)."""
+    try:
+        config = config_from_args(args)
+    except InputError as exc:
+        print(f"disaggpool emulate: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_run(config))
+    except OSError as exc:
+        print(f"disaggpool emulate: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,115 @@
+"""The settings of one emulated vLLM instance, resolved and checked once at start-up.
+
+`cli` builds one from flags and the environment; tests build one directly. Everything downstream
+reads resolved values (`served_name`, `model_len`, `num_gpu_blocks`) from here, so the defaults
+that mirror vLLM live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Mapping
+
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.errors import InputError
+
+__all__ = ["DEFAULT_MODEL", "EmulatorConfig", "side_channel_from_env"]
+
+DEFAULT_MODEL = "disaggpool/emulated-model"
+
+
+def side_channel_from_env(env: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost) and `_PORT` (default 5600)."""
+    env = os.environ if env is None else env
+    host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+    raw = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    try:
+        port = int(raw)
+    except ValueError:
+        raise InputError(
+            "VLLM_NIXL_SIDE_CHANNEL_PORT", "<env>", f"not an integer: {raw!r}"
+        ) from None
+    if not 0 <= port <= 65535:
+        raise InputError("VLLM_NIXL_SIDE_CHANNEL_PORT", "<env>", f"not a port: {port}")
+    return host, port
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """One instance. `profile` is the *true* profile: it drives the timing, never the routing.
+
+    `side_channel_port` 0 picks a free port (tests); the advertised `remote_port` is then the
+    port actually bound. `engine_id` defaults to a random uuid4, as vLLM's does.
+    """
+
+    profile: CalibrationProfile
+    model: str = ""
+    served_model_names: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    seed: int = 0
+    kv_lease_duration: float = 30.0
+    max_num_queued_reqs: int | None = None
+    jitter: float = 0.03
+    startup_delay: float = 0.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    engine_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
+    vocab_size: int = 32000
+    # How long a decode leg waits for the prefill side to answer a KV read before failing it.
+    pull_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InputError("--max-model-len", "<arg>", "must be at least 2")
+        if self.model_len > self.profile.kv_capacity_tokens:
+            # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
+            raise InputError(
+                "--max-model-len",
+                "<arg>",
+                f"{self.model_len} exceeds the profile's KV capacity "
+                f"({self.profile.kv_capacity_tokens} tokens)",
+            )
+        if self.kv_lease_duration <= 0:
+            raise InputError("--kv-lease-duration", "<arg>", "must be positive")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise InputError("--max-num-queued-reqs", "<arg>", "must be at least 1")
+        if not 0 <= self.jitter < 1:
+            raise InputError("--jitter", "<arg>", "must be in [0, 1)")
+        if self.startup_delay < 0:
+            raise InputError("--startup-delay", "<arg>", "must be non-negative")
+        if self.vocab_size < 16:
+            raise InputError("vocab_size", "<arg>", "must be at least 16")
+
+    @property
+    def model_path(self) -> str:
+        """What `--model` names (the `root` of /v1/models)."""
+        return self.model or self.profile.model or DEFAULT_MODEL
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model_path,)
+
+    @property
+    def served_name(self) -> str:
+        """The first served name: the /v1/models id and the `model_name` metrics label."""
+        return self.served_names[0]
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len or self.profile.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.profile.block_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.profile.kv_capacity_tokens // self.profile.block_size
+
+    def engine_profile(self) -> CalibrationProfile:
+        """The profile the engine models run with: the true one, at this instance's max length."""
+        return dataclasses.replace(self.profile, max_model_len=self.model_len)

@@ -1,0 +1,376 @@
+"""Runs the engine models (`disaggpool.engine`) on the asyncio clock, for the emulator.
+
+The simulator's event loop and this driver share one contract with the engines: call
+``engine.advance(t)`` at ``engine.next_wakeup()``, and after every enqueue ask again. Here the
+"event heap" is one `loop.call_at` timer per engine, re-armed after every change. Timers fire late
+by up to the loop's resolution (about 1 ms, as epoll sleeps in milliseconds), so the driver never
+advances an engine to the wall clock: it replays every due wake-up at its exact model time, in
+order, and only then enqueues at "now". The engine therefore sees the same sequence of calls the
+simulator would make, and timing differs from the model only by delivery latency.
+
+The decode engine is advanced analytically and wakes only on events; a streaming client needs
+every token, so the decode driver also wakes at every step boundary while a batch is running
+(one wake-up per step per instance, not per request). Advancing at a boundary where nothing
+happens changes no engine state: admission can only get harder as contexts grow.
+
+Two small subclasses add what a live server needs and the simulator does not: the next step
+boundary, the number of tokens a running request has produced, and aborting a request (a client
+that went away, a KV pull that failed). They touch only the engines' own bookkeeping, at the
+points where the engines themselves change it (a boundary, for running sequences).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import random
+from collections.abc import Callable
+from typing import Protocol
+
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.decode import DecodeEngine
+from disaggpool.engine.prefill import PrefillEngine
+from disaggpool.engine.request import EngineRequest
+
+__all__ = [
+    "DecodeDriver",
+    "DecodeListener",
+    "EmulatedDecodeEngine",
+    "EmulatedPrefillEngine",
+    "PrefillDriver",
+    "PrefillListener",
+]
+
+log = logging.getLogger(__name__)
+
+# Wake-ups replayed in one go before the driver yields to the loop. Far above any real burst (one
+# per step boundary, transfer or completion); only an engine bug that stops making progress hits it.
+_MAX_REPLAY = 100_000
+
+
+class EmulatedPrefillEngine(PrefillEngine):
+    """`PrefillEngine` plus `abort` of a request whose chunk is not in the running iteration."""
+
+    def abort(self, req: EngineRequest, now: float) -> bool:
+        """Drop `req` unless it is in the running iteration (then it finishes; False)."""
+        if any(r is req for r, _ in self._batch):
+            return False
+        try:
+            self.queue.remove(req)  # EngineRequest compares by identity
+        except ValueError:
+            return True  # already finished or never queued
+        if self._offset.pop(req.index, None) is not None:
+            self.kv_used -= req.prompt_tokens  # its first chunk had allocated the prompt's KV
+        if self.busy_until is None and self.queue:
+            self._start(now)
+        return True
+
+
+class EmulatedDecodeEngine(DecodeEngine):
+    """`DecodeEngine` plus the next step boundary, tokens produced so far, and aborts."""
+
+    def next_boundary(self) -> float | None:
+        """When the step in progress ends (None with no running batch)."""
+        return self.t_step + self._steps_time(1) if self.batch else None
+
+    def prefill_end(self) -> float:
+        """When the prefill part of the step after boundary `step` ends (requests that joined
+        there with their prompt computed here: their first token is sampled then)."""
+        return self.t_step + self._extra
+
+    def produced(self, req: EngineRequest) -> int:
+        """Tokens `req` has produced by boundary `self.step` (it must be running)."""
+        return req.generated + self.step - req.join_step
+
+    def is_running(self, req: EngineRequest) -> bool:
+        return self.running.get(req.index) is req
+
+    def abort(self, req: EngineRequest, now: float) -> tuple[bool, list[EngineRequest]]:
+        """Remove a request that is not running yet; returns (removed, transfers started).
+
+        A running sequence cannot leave mid-step (the step time depends on the batch): the caller
+        drops it with `drop_running` at the next boundary and gets False here.
+        """
+        if self.is_running(req):
+            return False, []
+        ctx = req.prompt_tokens + req.generated
+        for i, r in enumerate(self.waiting):
+            if r is req:
+                del self.waiting[i]
+                return True, self._admit(now)
+        for i, (_, _, r) in enumerate(self._transfers):
+            if r is req:
+                self._transfers.pop(i)
+                heapq.heapify(self._transfers)
+                self._reserved -= ctx
+                return True, self._admit(now)
+        for i, (_, r) in enumerate(self._ready):
+            if r is req:
+                self._ready.pop(i)
+                self._reserved -= ctx
+                return True, self._admit(now)
+        return True, []  # finished or never enqueued
+
+    def drop_running(self, req: EngineRequest, now: float) -> list[EngineRequest]:
+        """Remove a running sequence at a step boundary (as a preemption would); admits others."""
+        if not self.is_running(req):
+            return []
+        del self.running[req.index]
+        self._remove(req)  # its finish-heap entry is now stale and is skipped
+        if self.batch == 0:
+            self._extra = 0.0
+            self.t_step = now
+        return self._admit(now)
+
+
+class PrefillListener(Protocol):
+    def on_prefilled(self, t: float) -> None: ...
+
+
+class DecodeListener(Protocol):
+    """Tokens are decode steps' output; a request prefilled here (`submit(local=True)`) also
+    gets the token its prefill sampled, as one `on_tokens(1, t)` before the others."""
+
+    def on_tokens(self, n: int, t: float) -> None: ...
+
+    def on_finished(self, t: float) -> None: ...
+
+    def on_transfer_started(self, t: float) -> None: ...
+
+    def on_transferred(self, t: float) -> None: ...
+
+
+class _Driver:
+    """The timer and replay logic shared by both drivers (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for: float | None = None
+        self.time = self._loop.time()  # the last time handed to the engine
+
+    # subclasses: when the engine next needs attention, and what to do then
+    def _next(self) -> float | None:
+        raise NotImplementedError
+
+    def _advance(self, t: float) -> None:
+        raise NotImplementedError
+
+    def now(self) -> float:
+        return max(self._loop.time(), self.time)
+
+    def sync(self, at: float = 0.0) -> float:
+        """Replay every wake-up due by now (or `at`), in order; returns the time to act at."""
+        now = max(self.now(), at)
+        for _ in range(_MAX_REPLAY):
+            t = self._next()
+            if t is None or t > now:
+                break
+            self.time = max(self.time, t)
+            self._advance(self.time)
+        else:
+            log.error("engine driver: %d wake-ups at one instant; engine stuck?", _MAX_REPLAY)
+        self.time = now
+        return now
+
+    def arm(self) -> None:
+        """(Re)schedule the timer for the engine's next wake-up."""
+        t = self._next()
+        if t == self._armed_for:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = None if t is None else self._loop.call_at(t, self._fire, t)
+        self._armed_for = t
+
+    def _fire(self, t: float) -> None:
+        self._handle = None
+        self._armed_for = None
+        try:
+            # A timer never fires early by more than the clock's resolution; act at its time.
+            self.sync(t)
+        except Exception:  # a bug must not silently stop the clock of every request
+            log.exception("engine driver failed")
+        finally:
+            self.arm()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = None
+        self._armed_for = None
+
+
+class PrefillDriver(_Driver):
+    """Drives one `EmulatedPrefillEngine`; tells each request's listener when its prefill ends."""
+
+    def __init__(
+        self, profile: CalibrationProfile, *, jitter: float, rng_seed: int, name: str = "prefill"
+    ) -> None:
+        super().__init__()
+        self.engine = EmulatedPrefillEngine(
+            name, profile, jitter=jitter, rng=random.Random(rng_seed)
+        )
+        self._listeners: dict[int, PrefillListener] = {}
+
+    def _next(self) -> float | None:
+        return self.engine.next_wakeup()
+
+    def _advance(self, t: float) -> None:
+        for req in self.engine.advance(t):
+            listener = self._listeners.pop(req.index, None)
+            if listener is not None:
+                listener.on_prefilled(t)
+
+    def submit(self, req: EngineRequest, listener: PrefillListener) -> bool:
+        """Queue a prompt; False if the engine refuses it (longer than it can ever hold)."""
+        now = self.sync()
+        self.engine.enqueue(req, now)
+        if req.rejected:
+            self.engine.rejected.clear()  # the emulator answers 400 instead; keep nothing
+            return False
+        self._listeners[req.index] = listener
+        self.arm()
+        return True
+
+    def release(self, req: EngineRequest) -> None:
+        """The prompt's KV is no longer held (pulled, expired or abandoned)."""
+        now = self.sync()
+        self.engine.release(req, now)
+        self.arm()
+
+    def abort(self, req: EngineRequest) -> bool:
+        """Drop a queued prompt; False if it is being prefilled (the listener still hears)."""
+        now = self.sync()
+        removed = self.engine.abort(req, now)
+        if removed:
+            self._listeners.pop(req.index, None)
+        self.arm()
+        return removed
+
+
+class DecodeDriver(_Driver):
+    """Drives one `EmulatedDecodeEngine` and reports tokens, transfers and completions."""
+
+    def __init__(
+        self,
+        profile: CalibrationProfile,
+        *,
+        jitter: float,
+        rng_seed: int,
+        name: str = "decode",
+        on_preempt: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = EmulatedDecodeEngine(
+            name, profile, jitter=jitter, rng=random.Random(rng_seed)
+        )
+        self._listeners: dict[int, tuple[EngineRequest, DecodeListener]] = {}
+        self._emitted: dict[int, int] = {}
+        self._drop: dict[int, EngineRequest] = {}  # running requests to remove at a boundary
+        # Requests prefilled here whose prefill-sampled first token is not out yet; once they
+        # join, the time it is due (the end of the prefill part of their first step).
+        self._unprefilled: dict[int, EngineRequest] = {}
+        self._first_due: list[tuple[float, int]] = []  # heap of (time, index)
+        self._preemptions = 0
+        self._on_preempt = on_preempt
+
+    def _next(self) -> float | None:
+        times = [
+            x
+            for x in (
+                self.engine.next_wakeup(),
+                self.engine.next_boundary(),
+                self._first_due[0][0] if self._first_due else None,
+            )
+            if x is not None
+        ]
+        return min(times) if times else None
+
+    def _advance(self, t: float) -> None:
+        engine = self.engine
+        finished, transferred, started = engine.advance(t)
+        if engine.preemptions != self._preemptions and self._on_preempt is not None:
+            self._on_preempt(engine.preemptions - self._preemptions)
+        self._preemptions = engine.preemptions
+        if self._unprefilled:
+            for index, req in list(self._unprefilled.items()):
+                if engine.is_running(req):  # joined at this boundary: its prefill is under way
+                    del self._unprefilled[index]
+                    heapq.heappush(self._first_due, (engine.prefill_end(), index))
+        while self._first_due and self._first_due[0][0] <= t:
+            due, index = heapq.heappop(self._first_due)
+            entry = self._listeners.get(index)
+            if entry is not None:
+                entry[1].on_tokens(1, due)
+        for req in finished:
+            entry = self._listeners.pop(req.index, None)
+            emitted = self._emitted.pop(req.index, 0)
+            self._drop.pop(req.index, None)
+            if entry is not None:
+                if req.output_tokens > emitted:
+                    entry[1].on_tokens(req.output_tokens - emitted, t)
+                entry[1].on_finished(t)
+        for req in engine.running.values():
+            entry = self._listeners.get(req.index)
+            if entry is None:
+                continue
+            n = engine.produced(req) - self._emitted.get(req.index, 0)
+            if n > 0:
+                self._emitted[req.index] = engine.produced(req)
+                entry[1].on_tokens(n, t)
+        for req in transferred:
+            entry = self._listeners.get(req.index)
+            if entry is not None:
+                entry[1].on_transferred(t)
+        self._started(started, t)
+        if self._drop and abs(t - engine.t_step) <= 1e-9:
+            drops, self._drop = self._drop, {}
+            for req in drops.values():
+                self._started(engine.drop_running(req, t), t)
+
+    def _started(self, started: list[EngineRequest], t: float) -> None:
+        for req in started:
+            entry = self._listeners.get(req.index)
+            if entry is not None:
+                entry[1].on_transfer_started(t)
+
+    def submit(self, req: EngineRequest, listener: DecodeListener, *, local: bool = False) -> bool:
+        """Queue a request whose KV is remote, or with `local` one whose prompt is computed
+        here (the engine's recompute path: the prefill is charged to the step it joins).
+
+        A local request's first token comes from its prefill, so `req.output_tokens` counts
+        only the tokens of the decode steps after it (the caller passes max_tokens - 1).
+        """
+        now = self.sync()
+        self._listeners[req.index] = (req, listener)
+        if local:
+            req.recompute = True
+            self._unprefilled[req.index] = req
+        started = self.engine.enqueue(req, now)
+        if req.rejected:
+            self.engine.rejected.clear()
+            del self._listeners[req.index]
+            self._unprefilled.pop(req.index, None)
+            return False
+        self._started(started, now)
+        self.arm()
+        return True
+
+    def abort(self, req: EngineRequest) -> None:
+        """Stop a request wherever it is; a running one leaves at the next step boundary."""
+        if req.index not in self._listeners:
+            return
+        now = self.sync()
+        del self._listeners[req.index]
+        self._emitted.pop(req.index, None)
+        self._unprefilled.pop(req.index, None)  # a stale `_first_due` entry finds no listener
+        removed, started = self.engine.abort(req, now)
+        if not removed:
+            self._drop[req.index] = req
+        self._started(started, now)
+        self.arm()
+
+    def kv_tokens_used(self) -> int:
+        return self.engine.kv_tokens_used(self.now())

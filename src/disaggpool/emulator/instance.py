@@ -1,0 +1,655 @@
+"""One emulated vLLM instance: engine models, KV blocks, the side channel and metrics, no HTTP.
+
+`server` hands it validated requests (`protocol.GenerationRequest`) and iterates the events of
+the returned `Job`. A request is one of three legs, as `kv_transfer_params` says:
+
+* **prefill leg** (`do_remote_decode`): queued on the `PrefillEngine`; when its prefill ends it
+  takes ``ceil(prompt / block_size)`` blocks from the pool, lends them under a lease, and answers
+  one token, finish reason ``length`` and vLLM 0.33's full `kv_transfer_params`;
+* **decode leg** (`do_remote_prefill` with P's coordinates): queued on the `DecodeEngine`, which
+  models the wait for a slot and the transfer (`kv_transfer.time`); when the engine starts the
+  transfer, the instance reads the blocks from P over the side channel, and when the modelled
+  transfer ends it notifies P, which frees them. Tokens are released only once the read has
+  succeeded; a failed read ends the request with HTTP 500 (vLLM's `kv_load_failure_policy=fail`);
+* **plain request**: prefilled *and* decoded on the `DecodeEngine`, the prompt being charged to
+  the step in which it joins (the engine's recompute path), which is what an aggregated vLLM
+  instance does: prefill shares the GPU with the running batch. As in vLLM, the prefill pass
+  samples the first token, so it is out when the prefill part of that step ends (a lone
+  request's TTFT is ``prefill.prompt_time(n)``) and the decode steps produce the rest (one
+  ``decode.step`` each). A one-token plain request is a pure prefill and runs on the
+  `PrefillEngine`.
+
+No EOS is ever sampled: every request generates exactly its `max_tokens` (`ignore_eos` changes
+nothing), from a seeded RNG over the tokenizer's vocabulary. Every way a request can end
+(finish, client gone, failed pull, lease expiry, queue-full rejection) returns its KV, so nothing
+leaks whatever the input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.engine_driver import DecodeDriver, PrefillDriver
+from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
+from disaggpool.emulator.kv_side_channel import (
+    KVReader,
+    KVReadError,
+    ReadResult,
+    SideChannelServer,
+    send_heartbeat,
+    send_notification,
+)
+from disaggpool.emulator.metrics import EmulatorMetrics, GaugeSnapshot
+from disaggpool.emulator.protocol import ApiError, GenerationRequest
+from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.engine.request import EngineRequest
+
+__all__ = ["Done", "EmulatorInstance", "Failed", "Job", "Tokens"]
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.1  # seconds between checks that a client is still connected
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tokens:
+    """New output tokens, produced at model time `t` (loop clock)."""
+
+    ids: list[int]
+    t: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: str
+    t: float
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    status: int
+    message: str
+
+
+Event = Tokens | Done | Failed
+
+
+class Job:
+    """One request inside the instance. The engine drivers call its `on_*` listener methods;
+    `server` reads `events()` and calls `cancel()` if the client goes away."""
+
+    def __init__(
+        self,
+        inst: EmulatorInstance,
+        spec: GenerationRequest,
+        request_id: str,
+        internal_id: str,
+        req: EngineRequest,
+        seed: int,
+    ) -> None:
+        self.inst = inst
+        self.spec = spec
+        self.request_id = request_id  # the response id: cmpl-<id> / chatcmpl-<id>
+        self.internal_id = internal_id  # with vLLM's random suffix; P advertises it
+        self.req = req
+        self.rng = random.Random(seed)
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = False
+        self.generated = 0
+        self.last_token_t = -1.0
+        self.first_token_t = -1.0
+        # Decode legs: tokens wait behind the KV read (`gate`); the pull's progress is tracked.
+        self.gate_open = spec.kind != "decode"
+        self.deferred: list[tuple[str, int, float]] = []
+        self.state = "queued"  # queued -> transferring -> transferred (decode legs)
+        self.transfer_started = -1.0
+        self.transferred = asyncio.Event()
+        self.notified = False
+        self.pull: asyncio.Task[None] | None = None
+        self.on_prefill_engine = False  # prefill legs and one-token plain requests
+        self.prefill_cancelled = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.req.prompt_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens this request answers (the engine's `output_tokens` may exclude the first)."""
+        return 1 if self.spec.kind == "prefill" else self.spec.max_tokens
+
+    # ---------------------------------------------------------------- listener (engine drivers)
+    def on_prefilled(self, t: float) -> None:
+        self.inst._prefilled(self, t)
+
+    def on_tokens(self, n: int, t: float) -> None:
+        if not self.gate_open:
+            self.deferred.append(("tokens", n, t))
+            return
+        self.inst._tokens(self, n, t)
+
+    def on_finished(self, t: float) -> None:
+        if not self.gate_open:
+            self.deferred.append(("finished", 0, t))
+            return
+        self.inst._finished(self, t, "length", None)
+
+    def on_transfer_started(self, t: float) -> None:
+        self.inst._transfer_started(self, t)
+
+    def on_transferred(self, t: float) -> None:
+        self.state = "transferred"
+        self.transferred.set()
+
+    # ---------------------------------------------------------------- consumer (server)
+    async def events(self, gone: Callable[[], bool] | None = None) -> AsyncIterator[Event]:
+        """The request's events until `Done` or `Failed`.
+
+        `gone` is polled every 0.1 s; when it says the client has left,
+        the request is cancelled and the iteration ends, as vLLM aborts on disconnect.
+        """
+        loop = asyncio.get_running_loop()
+        getter: asyncio.Future[Event] | None = None
+        next_poll = loop.time() + _POLL
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(self.queue.get())
+                timeout = None if gone is None else max(0.0, next_poll - loop.time())
+                done, _ = await asyncio.wait({getter}, timeout=timeout)
+                if gone is not None and loop.time() >= next_poll:
+                    next_poll = loop.time() + _POLL
+                    if gone():
+                        self.cancel()
+                        return
+                if not done:
+                    continue
+                ev = getter.result()
+                getter = None
+                yield ev
+                if not isinstance(ev, Tokens):
+                    return
+        finally:
+            if getter is not None:
+                getter.cancel()
+
+    def cancel(self) -> None:
+        self.inst._cancel(self)
+
+    def open_gate(self) -> None:
+        self.gate_open = True
+        deferred, self.deferred = self.deferred, []
+        for what, n, t in deferred:
+            if what == "tokens":
+                self.inst._tokens(self, n, t)
+            else:
+                self.inst._finished(self, t, "length", None)
+
+
+class EmulatorInstance:
+    """See the module docstring. Construct, `await start()`, `submit()`, `await close()`."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self.profile = config.engine_profile()
+        self.tokenizer = Tokenizer(config.vocab_size)
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.leases = LeaseTable(config.kv_lease_duration)
+        self.side_channel = SideChannelServer(self)
+        self.metrics = EmulatorMetrics(
+            model_name=config.served_name,
+            max_model_len=config.model_len,
+            cache_info=self._cache_info(),
+            snapshot=self.snapshot,
+        )
+        self._rng = random.Random(config.seed)
+        self._index = itertools.count()
+        self._jobs: dict[int, Job] = {}
+        self._block_waiters: deque[Job] = deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._prefill: PrefillDriver | None = None
+        self._decode: DecodeDriver | None = None
+        self.side_channel_port = config.side_channel_port
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        seeds = random.Random(self.config.seed ^ 0x5EED)
+        self._prefill = PrefillDriver(
+            self.profile, jitter=self.config.jitter, rng_seed=seeds.getrandbits(64)
+        )
+        self._decode = DecodeDriver(
+            self.profile,
+            jitter=self.config.jitter,
+            rng_seed=seeds.getrandbits(64),
+            on_preempt=self._preempted,
+        )
+        self.side_channel_port = await self.side_channel.start(
+            self.config.side_channel_host, self.config.side_channel_port
+        )
+        self._spawn(self._heartbeats())
+
+    async def close(self) -> None:
+        for job in list(self._jobs.values()):
+            job.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        await self.side_channel.close()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        for driver in (self._prefill, self._decode):
+            if driver is not None:
+                driver.close()
+
+    @property
+    def prefill(self) -> PrefillDriver:
+        assert self._prefill is not None, "start() first"
+        return self._prefill
+
+    @property
+    def decode(self) -> DecodeDriver:
+        assert self._decode is not None, "start() first"
+        return self._decode
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _cache_info(self) -> dict[str, str]:
+        """vLLM's CacheConfig as `vllm:cache_config_info` labels (every value a string).
+
+        The label set is the one real vLLM sends (recorded from 0.32.0); the values describe
+        this instance (block size and count from the profile; no prefix caching, no offload).
+        """
+        cfg, prof = self.config, self.profile
+        capacity = cfg.num_gpu_blocks * cfg.block_size
+        return {
+            "_block_size_resolved": "True",
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "cache_hit_alignment_tokens": "None",
+            "effective_attention_block_size": str(cfg.block_size),
+            "enable_mamba_shared_prefix_checkpoint": "False",
+            "enable_prefix_caching": "False",
+            "engine": "0",
+            "gpu_memory_utilization": "0.92",
+            "hash_block_size": "None",
+            "is_attention_free": "False",
+            "kv_cache_dtype_skip_layers": "[]",
+            "kv_cache_layout": "None",
+            "kv_cache_max_concurrency": str(capacity / cfg.model_len),
+            "kv_cache_memory_bytes": str(int(capacity * prof.kv_transfer.bytes_per_token)),
+            "kv_cache_size_tokens": str(capacity),
+            "kv_offloading_backend": "native",
+            "kv_offloading_size": "None",
+            "kv_sharing_fast_prefill": "False",
+            "mamba_block_size": "None",
+            "mamba_cache_dtype": "auto",
+            "mamba_cache_mode": "none",
+            "mamba_page_size_padded": "None",
+            "mamba_ssm_cache_dtype": "float32",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(cfg.num_gpu_blocks),
+            "num_gpu_blocks_override": "None",
+            "prefix_cache_retention_interval": "0",
+            "prefix_caching_hash_algo": "sha256",
+            "prefix_match_unit": "None",
+            "replayssm_buffer_len": "16",
+            "skip_page_size_padded": "None",
+            "sliding_window": "None",
+            "swa_bounded_replay": "True",
+            "use_kda_recoverssm": "False",
+            "use_replayssm": "False",
+            "user_specified_block_size": "False",
+        }
+
+    # ------------------------------------------------------------------ observation
+    def snapshot(self) -> GaugeSnapshot:
+        if self._prefill is None or self._decode is None:
+            return GaugeSnapshot(0, 0, 0, 0.0)
+        p, d = self.prefill.engine, self.decode.engine
+        stages = {"queued": 0, "transferring": 0, "transferred": 0}
+        for job in self._jobs.values():
+            if job.spec.kind == "decode" and job.first_token_t < 0:
+                stages[job.state] += 1
+        waiting = p.num_waiting + d.num_waiting + len(self._block_waiters)
+        deferred = stages["transferring"]
+        used = p.kv_used + self.decode.kv_tokens_used()
+        return GaugeSnapshot(
+            running=p.num_running + d.num_running,
+            waiting_capacity=max(0, waiting - deferred),
+            waiting_deferred=deferred,
+            kv_cache_usage=min(1.0, used / self.profile.kv_capacity_tokens),
+            fetch_waiting_to_start=stages["queued"],
+            fetch_in_progress=deferred,
+            fetch_completed_waiting=stages["transferred"],
+        )
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._jobs)
+
+    # ------------------------------------------------------------------ admission
+    def submit(self, spec: GenerationRequest, request_id: str) -> Job:
+        """Queue a validated request; raises `ApiError` (503) when the queue is full."""
+        limit = self.config.max_num_queued_reqs
+        if limit is not None:
+            snap = self.snapshot()
+            if snap.waiting_capacity + snap.waiting_deferred >= limit:
+                self.metrics.admission_rejections["max_num_queued_reqs"] += 1
+                if spec.remote is not None:  # P still holds the blocks: tell it to free them
+                    self._spawn(self._notify_rejected(spec))
+                raise ApiError(
+                    503,
+                    f"The server is overloaded: {limit} requests are already waiting "
+                    "(max_num_queued_reqs). Please try again later.",
+                )
+        suffix = f"{self._rng.getrandbits(32):08x}"
+        internal = (
+            f"cmpl-{request_id}-0-{suffix}"
+            if spec.endpoint == "completions"
+            else f"chatcmpl-{request_id}-{suffix}"
+        )
+        now = asyncio.get_running_loop().time()
+        n = len(spec.prompt_ids)
+        # The engine's output_tokens: a prefill leg samples one token in its prefill; a plain
+        # request too, then decodes the rest; a decode leg decodes all of them (its first step
+        # recomputes the last prompt token, as vLLM's decode side does).
+        on_prefill = spec.kind == "prefill" or (spec.kind == "local" and spec.max_tokens == 1)
+        output = spec.max_tokens - 1 if spec.kind == "local" else spec.max_tokens
+        req = EngineRequest(next(self._index), now, n, 1 if on_prefill else output, "emulated")
+        seed = spec.seed if spec.seed is not None else self._rng.getrandbits(64)
+        job = Job(self, spec, request_id, internal, req, seed)
+        self._jobs[req.index] = job
+        if spec.max_tokens_param is not None:
+            self.metrics.request_max_tokens.observe(spec.max_tokens_param)
+        job.on_prefill_engine = on_prefill
+        if on_prefill:
+            # A one-token plain request is a prefill and nothing else: run it where prefills
+            # run, and give its KV back as soon as it is done (nothing will read it).
+            ok = self.prefill.submit(req, job)
+        else:
+            ok = self.decode.submit(req, job, local=spec.kind == "local")
+        if not ok:  # longer than the KV cache can ever hold (config makes this unreachable)
+            del self._jobs[req.index]
+            raise ApiError(400, f"The prompt ({n} tokens) does not fit in the KV cache.", "prompt")
+        return job
+
+    async def _notify_rejected(self, spec: GenerationRequest) -> None:
+        assert spec.remote is not None
+        if spec.remote.port < 0:
+            return
+        ok = await send_notification(
+            spec.remote.host, spec.remote.port, spec.remote.request_id, self.config.pull_timeout
+        )
+        if not ok:
+            self.metrics.nixl_failed_notifications += 1
+
+    # ------------------------------------------------------------------ token flow
+    def _tokens(self, job: Job, n: int, t: float) -> None:
+        if job.done:
+            return
+        m = self.metrics
+        ids = [self.tokenizer.sample(job.rng) for _ in range(n)]
+        for _ in range(n):
+            if job.first_token_t < 0:
+                job.first_token_t = t
+                m.ttft.observe(t - job.req.arrival)
+                n_prompt = job.prompt_tokens
+                m.prompt_tokens += n_prompt
+                if job.spec.kind == "decode":
+                    # D loads all but the last prompt token and recomputes that one for logits.
+                    m.prompt_tokens_by_source["external_kv_transfer"] += n_prompt - 1
+                    m.prompt_tokens_by_source["local_compute"] += 1
+                else:
+                    m.prompt_tokens_by_source["local_compute"] += n_prompt
+                    m.prefix_cache_queries += n_prompt
+            else:
+                m.itl.observe(t - job.last_token_t)
+            job.last_token_t = t
+        m.generation_tokens += n
+        job.generated += n
+        job.queue.put_nowait(Tokens(ids, t))
+
+    def _finished(
+        self, job: Job, t: float, reason: str, kv_transfer_params: dict[str, Any] | None
+    ) -> None:
+        if job.done:
+            return
+        job.done = True
+        self._jobs.pop(job.req.index, None)
+        m = self.metrics
+        m.request_success[reason] += 1
+        m.e2e.observe(t - job.req.arrival)
+        m.request_prompt_tokens.observe(job.prompt_tokens)
+        m.request_generation_tokens.observe(job.generated)
+        m.request_max_generation_tokens.observe(job.output_tokens)
+        m.request_params_n.observe(1)
+        m.request_num_preemptions.observe(job.req.preemptions)
+        if job.generated > 1:
+            m.tpot.observe((t - job.first_token_t) / (job.generated - 1))
+        job.queue.put_nowait(Done(reason, t, kv_transfer_params))
+
+    def _fail(self, job: Job, status: int, message: str) -> None:
+        if job.done:
+            return
+        job.done = True
+        self._jobs.pop(job.req.index, None)
+        self.metrics.request_success["error"] += 1
+        if job.spec.kind == "decode":
+            self.decode.abort(job.req)
+        job.queue.put_nowait(Failed(status, message))
+
+    def _cancel(self, job: Job) -> None:
+        """The client is gone: stop the request wherever it is and give back its KV."""
+        if job.done:
+            return
+        job.done = True
+        self._jobs.pop(job.req.index, None)
+        self.metrics.request_success["abort"] += 1
+        if job.on_prefill_engine:
+            if not self.prefill.abort(job.req):
+                job.prefill_cancelled = True  # it is being prefilled: freed when that ends
+            with contextlib.suppress(ValueError):
+                self._block_waiters.remove(job)
+                self.prefill.release(job.req)
+            return
+        self.decode.abort(job.req)
+        if job.spec.kind == "decode" and not job.notified:
+            if job.pull is not None:
+                job.pull.cancel()
+            job.notified = True
+            self._spawn(self._notify_rejected(job.spec))
+
+    def _preempted(self, n: int) -> None:
+        self.metrics.preemptions += n
+
+    # ------------------------------------------------------------------ prefill legs (P side)
+    def _prefilled(self, job: Job, t: float) -> None:
+        if job.prefill_cancelled:
+            self.prefill.release(job.req)
+            return
+        if job.spec.kind == "local":  # a one-token plain request: done, nothing to lend
+            self.prefill.release(job.req)
+            self._tokens(job, 1, t)
+            self._finished(job, t, "length", None)
+            return
+        blocks = self.pool.allocate(self._blocks_for(job.prompt_tokens))
+        if blocks is None:
+            # Only reachable through per-request rounding to whole blocks: the engine admitted
+            # the prompt by tokens. Wait, FCFS, for lent blocks to come back.
+            self._block_waiters.append(job)
+            return
+        self._lend(job, blocks, t)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _lend(self, job: Job, blocks: list[int], t: float) -> None:
+        lease = Lease(
+            request_id=job.internal_id,
+            blocks=blocks,
+            prompt_tokens=job.prompt_tokens,
+            expires=t + self.leases.duration,
+            token=job.req,
+        )
+        self.leases.hold(lease)
+        self._arm_expiry()
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(blocks)],
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": job.internal_id,
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": job.prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
+        }
+        self._tokens(job, 1, t)
+        self._finished(job, t, "length", params)
+
+    def _return_lease(self, lease: Lease) -> None:
+        self.pool.free(lease.blocks)
+        if isinstance(lease.token, EngineRequest):
+            self.prefill.release(lease.token)
+        now = asyncio.get_running_loop().time()
+        while self._block_waiters:
+            job = self._block_waiters[0]
+            blocks = self.pool.allocate(self._blocks_for(job.prompt_tokens))
+            if blocks is None:
+                break
+            self._block_waiters.popleft()
+            self._lend(job, blocks, now)
+
+    def _arm_expiry(self) -> None:
+        t = self.leases.next_expiry()
+        if self._expiry is not None:
+            if t is not None and self._expiry.when() == t:
+                return
+            self._expiry.cancel()
+            self._expiry = None
+        if t is not None:
+            self._expiry = asyncio.get_running_loop().call_at(t, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        for lease in self.leases.expire(asyncio.get_running_loop().time()):
+            log.info(
+                "KV lease of %s expired; freeing %d blocks", lease.request_id, len(lease.blocks)
+            )
+            self.metrics.nixl_kv_expired_reqs += 1
+            self._return_lease(lease)
+        self._arm_expiry()
+
+    # side channel (SideChannelHandler)
+    def kv_read(self, request_id: str, engine_id: str, block_ids: Any) -> dict[str, Any]:
+        lease = self.leases.get(request_id)
+        if lease is None:
+            if self.leases.was_expired(request_id):
+                return {"ok": False, "error": f"KV blocks of {request_id} expired"}
+            return {"ok": False, "error": f"unknown request id {request_id}"}
+        if engine_id != self.config.engine_id:
+            return {"ok": False, "error": f"engine id mismatch: {engine_id}"}
+        if block_ids != [lease.blocks]:
+            return {"ok": False, "error": f"block ids do not match those of {request_id}"}
+        num_blocks = len(lease.blocks)
+        size = num_blocks * self.config.block_size * self.profile.kv_transfer.bytes_per_token
+        return {
+            "ok": True,
+            "num_tokens": lease.prompt_tokens,
+            "num_blocks": num_blocks,
+            "bytes": int(size),
+        }
+
+    def kv_notify(self, request_id: str) -> dict[str, Any]:
+        lease = self.leases.release(request_id)
+        if lease is None:
+            if self.leases.was_expired(request_id):
+                self.metrics.nixl_notifications_after_expiry += 1
+            return {"ok": False, "error": f"unknown request id {request_id}"}
+        self._return_lease(lease)
+        self._arm_expiry()
+        return {"ok": True}
+
+    def kv_heartbeat(self, request_ids: list[str]) -> dict[str, Any]:
+        n = self.leases.extend(request_ids, asyncio.get_running_loop().time())
+        self._arm_expiry()
+        return {"ok": True, "extended": n}
+
+    # ------------------------------------------------------------------ decode legs (D side)
+    def _transfer_started(self, job: Job, t: float) -> None:
+        if job.spec.kind != "decode" or job.done:
+            return
+        job.state = "transferring"
+        job.transfer_started = t
+        job.pull = self._spawn(self._pull(job))
+
+    async def _pull(self, job: Job) -> None:
+        """Read the blocks now; notify P when the engine says the modelled transfer is over."""
+        remote = job.spec.remote
+        assert remote is not None
+        loop = asyncio.get_running_loop()
+        reader = KVReader(remote.host, remote.port, remote.request_id, self.config.pull_timeout)
+        try:
+            t0 = loop.time()
+            try:
+                if remote.port < 0:
+                    raise KVReadError(f"invalid remote_port {remote.raw.get('remote_port')!r}")
+                result: ReadResult = await reader.read(remote.engine_id, remote.block_ids)
+            except KVReadError as exc:
+                self.metrics.nixl_failed_transfers += 1
+                job.notified = True  # P lent nothing to this request, or refused: nothing to free
+                log.warning("KV read for %s failed: %s", job.internal_id, exc)
+                self._fail(job, 500, f"KV transfer from the prefill instance failed: {exc}")
+                return
+            post = loop.time() - t0
+            job.open_gate()
+            await job.transferred.wait()
+            m = self.metrics
+            m.nixl_xfer_time.observe(self.profile.kv_transfer.time(job.prompt_tokens))
+            m.nixl_post_time.observe(post)
+            m.nixl_bytes.observe(result.num_bytes)
+            m.nixl_descriptors.observe(result.num_blocks)
+            job.notified = True
+            if not await reader.notify():
+                m.nixl_failed_notifications += 1
+        except Exception:  # a bug here must fail the request, not leave it hanging
+            log.exception("KV pull for %s failed", job.internal_id)
+            self._fail(job, 500, "KV transfer from the prefill instance failed: internal error")
+        finally:
+            reader.close()
+
+    async def _heartbeats(self) -> None:
+        """While decode legs queue, keep their prefill leases alive (vLLM: every lease / 6)."""
+        period = self.config.kv_lease_duration / 6.0
+        while True:
+            await asyncio.sleep(period)
+            groups: dict[tuple[str, int], list[str]] = {}
+            for job in list(self._jobs.values()):
+                remote = job.spec.remote
+                if remote is not None and job.state == "queued" and remote.port >= 0:
+                    groups.setdefault((remote.host, remote.port), []).append(remote.request_id)
+            for (host, port), ids in groups.items():
+                self._spawn(send_heartbeat(host, port, ids, self.config.pull_timeout))

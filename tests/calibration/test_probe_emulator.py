@@ -1,0 +1,63 @@
+"""The probe against the emulator through real HTTP on loopback: it must recover the hidden
+true profile's dominant constants and predict held-out TTFT and TPOT.
+
+What is asserted is what holds today with a 30 s budget, the emulator in the same process as
+the probe (they share the GIL): the issue's goal of every constant within 10% is not met yet
+for the small ones (p0, p2, d1, k0), nor for H100-fast prefill; BENCHMARKS.md records the
+per-constant errors from `bench/probe_accuracy.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from disaggpool.calibration.probe import ProbeConfig, run_probe
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
+from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.harness import EmulatorThread
+
+A40 = builtin_profile("a40-llama3-8b")
+H100 = builtin_profile("h100-llama3-8b")
+# A host with large fixed costs: slow scheduler, Python overhead per sequence, slow link setup.
+OVERHEADS = dataclasses.replace(
+    A40,
+    name="a40-slow-host",
+    prefill=PrefillModel(0.040, A40.prefill.p1, A40.prefill.p2),
+    decode=DecodeModel(0.060, 5e-4, A40.decode.d2),
+    kv_transfer=KVTransferModel(0.020, A40.kv_transfer.bytes_per_token, 10e9),
+)
+
+
+def close(fitted: float, true: float, rel: float, abs_s: float = 0.0) -> bool:
+    return abs(fitted - true) <= max(rel * true, abs_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("true", [A40, OVERHEADS], ids=lambda p: p.name)
+def test_probe_recovers_the_hidden_profile(true: CalibrationProfile) -> None:
+    cfg = EmulatorConfig(true, port=0, side_channel_port=0, jitter=0.03, seed=7)
+    with EmulatorThread(cfg) as decode, EmulatorThread(dataclasses.replace(cfg, seed=8)) as prefill:
+        result = run_probe(
+            ProbeConfig(
+                endpoint=decode.url,
+                peer=prefill.url,
+                budget_s=30,
+                max_num_seqs=true.max_num_seqs,
+                max_num_batched_tokens=true.max_num_batched_tokens,
+            )
+        )
+    got = result.profile
+    report = result.report
+    assert got.quality in ("good", "fair"), got.notes
+    assert got.ttft_mape is not None and got.ttft_mape < 0.15
+    assert got.tpot_mape is not None and got.tpot_mape < 0.15
+    assert got.kv_capacity_tokens == true.kv_capacity_tokens
+    assert got.block_size == true.block_size
+    assert close(got.prefill.p1, true.prefill.p1, 0.20), report["fits"]["prefill"]
+    assert close(got.decode.d0, true.decode.d0, 0.10), report["fits"]["decode"]
+    slope_true = true.kv_transfer.bytes_per_token / true.kv_transfer.bandwidth_bytes_per_s
+    slope_got = got.kv_transfer.bytes_per_token / got.kv_transfer.bandwidth_bytes_per_s
+    assert close(slope_got, slope_true, 0.20), report["fits"]["transfer"]

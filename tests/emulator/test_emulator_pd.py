@@ -1,0 +1,316 @@
+"""The prefill/decode handoff between two emulators, as vLLM's toy proxy and llm-d drive it.
+
+Step 1 posts the prefill leg (`do_remote_decode`, max_tokens 1, stream false) to P; step 2 posts
+the client's original body plus P's `kv_transfer_params`, unchanged, to D. D pulls the KV over
+the real TCP side channel and P frees the blocks when notified, or when the lease expires.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+from emulator_testkit import H100, Http, make_profile, sample
+
+from disaggpool.emulator.harness import EmulatorThread
+from disaggpool.emulator.tokenizer import Tokenizer
+
+PROMPT = "a prompt of exactly twelve words for the prefill leg to chew on"
+N_PROMPT = len(Tokenizer().encode(PROMPT)) + 1  # BOS
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+V33_KEYS = [
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "remote_registration_generation",
+    "transfer_mode",
+    "remote_prefill_cached_tokens",
+]
+
+
+def prefill_leg(
+    http: Http, p: EmulatorThread, path: str, body: dict[str, Any], rid: str
+) -> dict[str, Any]:
+    """What the proxy sends P: the body with the P-leg changes of vllm-pd-protocol.md 2.1."""
+    leg = {**body, "kv_transfer_params": PREFILL_PARAMS, "stream": False, "max_tokens": 1}
+    for key in ("stream_options", "min_tokens"):
+        leg.pop(key, None)
+    reply = http.post(p.url + path, leg, {"X-Request-Id": rid})
+    assert reply.status == 200, reply.body
+    out: dict[str, Any] = reply.json()
+    return out
+
+
+def free_blocks(emu: EmulatorThread) -> tuple[int, int]:
+    return emu.call(lambda: (emu.instance.pool.num_free, emu.instance.pool.total))
+
+
+@pytest.fixture
+def pair(start_emulator: Any) -> tuple[EmulatorThread, EmulatorThread]:
+    return start_emulator(), start_emulator()
+
+
+def test_prefill_leg_response(pair: tuple[EmulatorThread, EmulatorThread], http: Http) -> None:
+    p, _ = pair
+    body = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT, "max_tokens": 20}, "r1")
+    assert body["id"] == "cmpl-r1"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 1
+    assert body["usage"]["prompt_tokens"] == N_PROMPT
+    kv = body["kv_transfer_params"]
+    assert list(kv) == V33_KEYS
+    blocks = -(-N_PROMPT // 16)
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert len(kv["remote_block_ids"]) == 1 and len(kv["remote_block_ids"][0]) == blocks
+    assert all(isinstance(b, int) for b in kv["remote_block_ids"][0])
+    assert kv["remote_engine_id"] == p.config.engine_id
+    assert kv["remote_request_id"].startswith("cmpl-r1-0-")
+    assert len(kv["remote_request_id"]) == len("cmpl-r1-0-") + 8
+    assert kv["remote_host"] == "127.0.0.1"
+    assert kv["remote_port"] == p.side_channel_port
+    assert (kv["tp_size"], kv["dcp_size"], kv["pp_size"]) == (1, 1, 1)
+    assert kv["remote_num_tokens"] == N_PROMPT
+    assert kv["remote_blocks_expiry_time"] is None
+    assert kv["remote_registration_generation"] == 0
+    assert kv["transfer_mode"] == "pull"
+    assert kv["remote_prefill_cached_tokens"] == 0
+    free, total = free_blocks(p)
+    assert total - free == blocks  # lent until D reads them
+    fams = http.metrics(p.url)
+    assert sample(fams, "vllm:kv_cache_usage_perc") > 0
+    assert sample(fams, "vllm:generation_tokens_total") == 1
+
+
+def test_chat_prefill_request_id(pair: tuple[EmulatorThread, EmulatorThread], http: Http) -> None:
+    p, _ = pair
+    msgs = [{"role": "user", "content": PROMPT}]
+    body = prefill_leg(http, p, "/v1/chat/completions", {"messages": msgs}, "c9")
+    assert body["id"] == "chatcmpl-c9"
+    rid = body["kv_transfer_params"]["remote_request_id"]
+    assert rid.startswith("chatcmpl-c9-") and len(rid) == len("chatcmpl-c9-") + 8
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_step_handoff(
+    pair: tuple[EmulatorThread, EmulatorThread], http: Http, stream: bool
+) -> None:
+    p, d = pair
+    original: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 6, "min_tokens": 2}
+    if stream:
+        original |= {"stream": True, "stream_options": {"include_usage": True}}
+    kv = prefill_leg(http, p, "/v1/completions", original, "h1")["kv_transfer_params"]
+    decode_body = {**original, "kv_transfer_params": kv}
+    if stream:
+        s = http.sse(d.url + "/v1/completions", decode_body, {"X-Request-Id": "h1"})
+        chunks = s.chunks()
+        assert s.events[-1][1] == "[DONE]"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        usage = chunks[-1]["usage"]
+        assert all(c["id"] == "cmpl-h1" for c in chunks)
+    else:
+        reply = http.post(d.url + "/v1/completions", decode_body, {"X-Request-Id": "h1"})
+        assert reply.status == 200, reply.body
+        body = reply.json()
+        assert body["id"] == "cmpl-h1"
+        assert body["kv_transfer_params"] is None
+        usage = body["usage"]
+    assert usage["prompt_tokens"] == N_PROMPT
+    assert usage["completion_tokens"] == 6
+    assert usage["total_tokens"] == N_PROMPT + 6
+    # D's notification came back over the side channel: P's blocks are free again.
+    assert free_blocks(p) == (p.instance.pool.total, p.instance.pool.total)
+    assert sample(http.metrics(p.url), "vllm:kv_cache_usage_perc") == 0
+    fams = http.metrics(d.url)
+    assert sample(fams, "vllm:nixl_xfer_time_seconds_count") == 1
+    expected = H100.kv_transfer.time(N_PROMPT)
+    assert sample(fams, "vllm:nixl_xfer_time_seconds_sum") == pytest.approx(expected)
+    blocks = -(-N_PROMPT // 16)
+    assert sample(fams, "vllm:nixl_bytes_transferred_sum") == blocks * 16 * 128 * 1024
+    assert sample(fams, "vllm:nixl_num_failed_transfers_total") == 0
+    assert sample(fams, "vllm:prompt_tokens_total") == N_PROMPT
+    assert sample(fams, "vllm:generation_tokens_total") == 6
+    assert sample(fams, "vllm:request_success_total", finished_reason="length") == 1
+    # The same params cannot be used twice: P no longer knows that request.
+    again = {"prompt": PROMPT, "kv_transfer_params": kv}
+    assert http.post(d.url + "/v1/completions", again).status == 500
+
+
+def test_one_instance_serves_both_legs(start_emulator: Any, http: Http) -> None:
+    emu = start_emulator(side_channel_host="localhost")  # vLLM's default remote_host
+    msgs = [{"role": "user", "content": PROMPT}]
+    kv = prefill_leg(http, emu, "/v1/chat/completions", {"messages": msgs}, "self")[
+        "kv_transfer_params"
+    ]
+    assert kv["remote_host"] == "localhost"
+    reply = http.post(
+        emu.url + "/v1/chat/completions",
+        {"messages": msgs, "max_tokens": 3, "kv_transfer_params": kv},
+        {"X-Request-Id": "self"},
+    )
+    assert reply.status == 200, reply.body
+    assert reply.json()["usage"]["completion_tokens"] == 3
+    assert free_blocks(emu)[0] == free_blocks(emu)[1]
+
+
+def _decode_params(kv: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**kv, **changes}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_port": "closed"},
+        {"remote_request_id": "cmpl-unknown-0-deadbeef"},
+        {"remote_engine_id": "some-other-engine"},
+        {"remote_block_ids": [[999999]]},
+        {"remote_port": "not-a-port"},
+    ],
+)
+def test_failed_pull_is_500(
+    pair: tuple[EmulatorThread, EmulatorThread], http: Http, change: dict[str, Any]
+) -> None:
+    p, d = pair
+    kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "f1")["kv_transfer_params"]
+    if change.get("remote_port") == "closed":
+        change = {"remote_port": _closed_port()}
+    reply = http.post(
+        d.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": {**kv, **change}},
+    )
+    assert reply.status == 500
+    err = reply.json()["error"]
+    assert err["type"] == "InternalServerError" and err["code"] == 500
+    fams = http.metrics(d.url)
+    assert sample(fams, "vllm:nixl_num_failed_transfers_total") == 1
+    assert sample(fams, "vllm:request_success_total", finished_reason="error") == 1
+    # A request that had already joined the batch leaves it at the next step boundary.
+    time.sleep(0.05)
+    fams = http.metrics(d.url)
+    assert sample(fams, "vllm:num_requests_running") == 0
+    assert sample(fams, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_failed_pull_streaming_sends_error_chunk(
+    pair: tuple[EmulatorThread, EmulatorThread], http: Http
+) -> None:
+    _, d = pair
+    kv = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "x",
+        "remote_request_id": "cmpl-x-0-00000000",
+        "remote_host": "127.0.0.1",
+        "remote_port": _closed_port(),
+        "remote_block_ids": [[0]],
+    }
+    s = http.sse(
+        d.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 4, "stream": True, "kv_transfer_params": kv},
+    )
+    assert s.status == 200  # the stream had started, as with vLLM
+    assert [e for _, e in s.events][-1] == "[DONE]"
+    err = json.loads(s.events[-2][1])["error"]
+    assert err["code"] == 500
+
+
+def test_incomplete_params_run_locally(
+    pair: tuple[EmulatorThread, EmulatorThread], http: Http
+) -> None:
+    _, d = pair
+    reply = http.post(
+        d.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}},
+    )
+    assert reply.status == 200
+    assert sample(http.metrics(d.url), "vllm:nixl_xfer_time_seconds_count") == 0
+
+
+def test_lease_expiry_frees_and_counts(start_emulator: Any, http: Http) -> None:
+    p = start_emulator(kv_lease_duration=0.3)
+    kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "e1")["kv_transfer_params"]
+    free, total = free_blocks(p)
+    assert free < total
+    time.sleep(0.5)
+    assert free_blocks(p) == (total, total)
+    fams = http.metrics(p.url)
+    assert sample(fams, "vllm:nixl_num_kv_expired_reqs_total") == 1
+    assert sample(fams, "vllm:kv_cache_usage_perc") == 0
+    # A decode leg arriving after the expiry fails (the emulator tells it, unlike vLLM's silence).
+    d = start_emulator()
+    late = http.post(d.url + "/v1/completions", {"prompt": PROMPT, "kv_transfer_params": kv})
+    assert late.status == 500
+    assert "expired" in late.json()["error"]["message"]
+
+
+def test_decode_queue_heartbeats_keep_the_lease(start_emulator: Any, http: Http) -> None:
+    """D queues longer than P's lease; its heartbeats (every lease/6) keep the blocks."""
+    lease = 0.6
+    p = start_emulator(kv_lease_duration=lease)
+    slow = make_profile(max_num_seqs=1, decode={"d0": 0.1})
+    d = start_emulator(slow, kv_lease_duration=lease)
+    kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "hb")["kv_transfer_params"]
+    statuses: list[int] = []
+    blocker = threading.Thread(
+        target=lambda: statuses.append(
+            http.post(d.url + "/v1/completions", {"prompt": "x", "max_tokens": 10}).status
+        )
+    )
+    blocker.start()  # occupies D's only slot for ~1 s, longer than the lease
+    time.sleep(0.05)
+    reply = http.post(
+        d.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": kv}
+    )
+    blocker.join()
+    assert reply.status == 200, reply.body
+    assert statuses == [200]
+    assert sample(http.metrics(p.url), "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert free_blocks(p)[0] == free_blocks(p)[1]
+
+
+def test_rejected_decode_leg_releases_prefill_blocks(start_emulator: Any, http: Http) -> None:
+    p = start_emulator()
+    d = start_emulator(make_profile(max_num_seqs=1, decode={"d0": 0.05}), max_num_queued_reqs=1)
+    kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "rj")["kv_transfer_params"]
+    threads = [
+        threading.Thread(
+            target=lambda: http.post(d.url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    reply = http.post(d.url + "/v1/completions", {"prompt": PROMPT, "kv_transfer_params": kv})
+    assert reply.status == 503
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 2
+    while free_blocks(p)[0] != free_blocks(p)[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert free_blocks(p)[0] == free_blocks(p)[1]

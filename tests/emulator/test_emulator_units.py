@@ -1,0 +1,212 @@
+"""Unit tests of the emulator's pure parts: tokenizer, KV blocks and leases, request parsing,
+metric buckets, the engine subclasses' aborts, configuration and the command line."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from emulator_testkit import H100, make_profile
+
+from disaggpool.emulator import cli
+from disaggpool.emulator.config import DEFAULT_MODEL, EmulatorConfig, side_channel_from_env
+from disaggpool.emulator.engine_driver import EmulatedDecodeEngine, EmulatedPrefillEngine
+from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
+from disaggpool.emulator.metrics import Histogram, build_1_2_5_buckets
+from disaggpool.emulator.protocol import ApiError, GenerationRequest, parse_completion
+from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.engine.request import EngineRequest
+from disaggpool.errors import InputError
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def test_tokenizer_counts_words_and_punctuation() -> None:
+    tok = Tokenizer()
+    assert tok.pieces("Hello, world!  It's 42.") == [
+        "Hello",
+        ",",
+        "world",
+        "!",
+        "It",
+        "'",
+        "s",
+        "42",
+        ".",
+    ]
+    assert tok.encode("Hello") == Tokenizer().encode("Hello")  # stable across instances
+    assert all(0 <= i < tok.vocab_size for i in tok.encode("any text at all, ünïcödé 漢字"))
+
+
+@pytest.mark.parametrize("vocab", [100, 32000, 150_000])
+def test_tokenizer_round_trips_generated_text(vocab: int) -> None:
+    tok = Tokenizer(vocab)
+    rng = random.Random(vocab)
+    ids = [tok.sample(rng) for _ in range(2000)]
+    assert min(ids) >= 3  # never a special token
+    assert tok.encode(tok.decode(ids)) == ids
+    assert len({tok.word(i) for i in range(vocab)}) == vocab
+
+
+def test_chat_template_is_counted() -> None:
+    tok = Tokenizer()
+    text = tok.chat_prompt([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text == "<s><|user|>\nhi\n<|assistant|>\n"
+    assert tok.encode(text)[0] == 1  # BOS
+    assert len(tok.encode(text)) == 12
+
+
+# ---------------------------------------------------------------------------- blocks and leases
+def test_block_pool() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free == 1
+    assert pool.allocate(2) is None and pool.num_free == 1  # all or nothing
+    pool.free(a)
+    pool.free(a)  # idempotent
+    assert pool.num_free == 4 and pool.num_used == 0
+
+
+def test_lease_table_expiry_and_heartbeats() -> None:
+    table = LeaseTable(duration=3.0)
+    table.hold(Lease("a", [0], 10, expires=3.0))
+    table.hold(Lease("b", [1], 10, expires=4.0))
+    assert table.next_expiry() == 3.0
+    assert table.extend(["a", "zzz"], now=2.5) == 1  # to 2.5 + 2 = 4.5
+    assert table.next_expiry() == 4.0
+    assert [lease.request_id for lease in table.expire(4.0)] == ["b"]
+    assert table.was_expired("b") and not table.was_expired("a")
+    assert table.release("a") is not None and table.release("a") is None
+    assert table.expire(100.0) == [] and table.next_expiry() is None
+
+
+# ---------------------------------------------------------------------------- request parsing
+def _parse(body: object) -> GenerationRequest:
+    return parse_completion(body, Tokenizer(), ["m"], 1000)
+
+
+def test_leg_kinds() -> None:
+    remote = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 5600,
+        "remote_block_ids": [[1]],
+    }
+    assert _parse({"prompt": "x"}).kind == "local"
+    assert _parse({"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).kind == (
+        "prefill"
+    )
+    decode = _parse({"prompt": "x", "kv_transfer_params": remote})
+    assert decode.kind == "decode" and decode.remote is not None and decode.remote.port == 5600
+    partial = {k: v for k, v in remote.items() if k != "remote_host"}
+    assert _parse({"prompt": "x", "kv_transfer_params": partial}).kind == "local"
+    bad_port = _parse({"prompt": "x", "kv_transfer_params": {**remote, "remote_port": 70000}})
+    assert bad_port.remote is not None and bad_port.remote.port == -1  # fails when pulled
+
+
+def test_lax_coercion_like_pydantic() -> None:
+    spec = _parse({"prompt": "x", "max_tokens": "5", "stream": "true", "seed": 3.0})
+    assert (spec.max_tokens, spec.stream, spec.seed) == (5, True, 3)
+    with pytest.raises(ApiError) as err:
+        _parse({"prompt": "x", "max_tokens": 2.5})
+    assert (err.value.param, err.value.err_type) == ("body.max_tokens", "Bad Request")
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_buckets() -> None:
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    h = Histogram([1.0, 2.0])
+    for v in (0.5, 1.0, 1.5, 3.0):
+        h.observe(v)
+    assert h.cumulative() == [("1.0", 2.0), ("2.0", 3.0), ("+Inf", 4.0)]
+    assert (h.count, h.sum) == (4, 6.0)
+
+
+# ---------------------------------------------------------------------------- engine aborts
+def test_decode_abort_in_every_state_leaves_nothing() -> None:
+    prof = make_profile(max_num_seqs=2)
+    eng = EmulatedDecodeEngine("d", prof)
+    reqs = [EngineRequest(i, 0.0, 100, 50, "x") for i in range(4)]
+    for r in reqs:
+        eng.enqueue(r, 0.0)
+    assert len(eng.waiting) == 2  # two slots: two transfers, two waiting
+    assert eng.abort(reqs[3], 0.0) == (True, [])  # waiting
+    removed, started = eng.abort(reqs[0], 0.0)  # transferring: frees a slot for reqs[2]
+    assert removed and started == [reqs[2]]
+    t = eng.next_wakeup()
+    assert t is not None
+    eng.advance(t)  # both transfers are done: they join at once (the batch was empty)
+    assert eng.is_running(reqs[1]) and eng.is_running(reqs[2])
+    assert eng.abort(reqs[1], t) == (False, [])  # running: it must leave at a boundary
+    b = eng.next_boundary()
+    assert b is not None
+    eng.advance(b)
+    eng.drop_running(reqs[1], b)
+    eng.drop_running(reqs[2], b)
+    assert eng.idle and eng.num_waiting == 0 and eng.num_running == 0
+    assert eng.kv_tokens_used(b + 1.0) == 0 and eng.next_wakeup() is None
+
+
+def test_prefill_abort_returns_kv() -> None:
+    eng = EmulatedPrefillEngine("p", make_profile(max_num_batched_tokens=100))
+    a, b = EngineRequest(0, 0.0, 100, 1, "x"), EngineRequest(1, 0.0, 100, 1, "x")
+    eng.enqueue(a, 0.0)
+    eng.enqueue(b, 0.0)  # the token budget holds one prompt: b waits
+    assert eng.abort(b, 0.0) and eng.kv_used == 100
+    assert not eng.abort(a, 0.0)  # being prefilled: it finishes, then its owner releases it
+    t = eng.next_wakeup()
+    assert t is not None
+    assert eng.advance(t) == [a]
+    eng.release(a, t)
+    assert eng.kv_used == 0 and not eng.queue and eng.next_wakeup() is None
+
+
+# ---------------------------------------------------------------------------- config and CLI
+def test_config_defaults() -> None:
+    cfg = EmulatorConfig(H100)
+    assert cfg.served_name == cfg.model_path == H100.model
+    assert cfg.model_len == H100.max_model_len
+    assert cfg.num_gpu_blocks == H100.kv_capacity_tokens // 16
+    assert EmulatorConfig(make_profile(model="")).served_name == DEFAULT_MODEL
+    named = EmulatorConfig(make_profile(), model="/models/x", served_model_names=("x", "y"))
+    assert (named.model_path, named.served_name) == ("/models/x", "x")
+    with pytest.raises(InputError):
+        EmulatorConfig(make_profile(kv_capacity_tokens=1000), max_model_len=2000)
+
+
+def test_side_channel_env() -> None:
+    assert side_channel_from_env({}) == ("localhost", 5600)
+    assert side_channel_from_env(
+        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    ) == ("10.0.0.7", 5601)
+    with pytest.raises(InputError):
+        side_channel_from_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
+
+
+def test_cli_parses_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5701")
+    args = cli.build_parser().parse_args(
+        [
+            "--profile", "a40-llama3-8b",
+            "--port", "8100",
+            "--served-model-name", "a", "b",
+            "--max-model-len", "4096",
+            "--kv-lease-duration", "5",
+            "--max-num-queued-reqs", "10",
+            "--jitter", "0",
+            "--startup-delay", "1.5",
+        ]
+    )  # fmt: skip
+    cfg = cli.config_from_args(args)
+    assert cfg.profile.name == "a40-llama3-8b"
+    assert (cfg.port, cfg.served_names, cfg.model_len) == (8100, ("a", "b"), 4096)
+    assert (cfg.kv_lease_duration, cfg.max_num_queued_reqs, cfg.jitter) == (5.0, 10, 0.0)
+    assert (cfg.startup_delay, cfg.side_channel_port) == (1.5, 5701)
+
+
+def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--profile", "no-such-profile"]) == 2
+    assert "no-such-profile" in capsys.readouterr().err
+    assert cli.main(["--profile", "h100-llama3-8b", "--max-model-len", "10000000"]) == 2
