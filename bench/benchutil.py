@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +151,19 @@ def write_json(path: str | None, doc: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
         print(f"wrote {path}", file=sys.stderr)
+
+
+def measure_and_report(
+    run: Callable[[], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    json_path: str | None,
+) -> None:
+    """Run a benchmark while watching the machine, print its tables and the machine, save JSON."""
+    machine = machine_info()
+    contention = Contention()
+    doc = run()
+    machine["other_processes_cpu_cores_during_run"] = contention.other_cores()
+    doc["machine"] = machine
+    print(render(doc))
+    print(machine_line(machine))
+    write_json(json_path, doc)

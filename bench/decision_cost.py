@@ -282,14 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tenth of the iterations")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
-    machine = benchutil.machine_info()
-    contention = benchutil.Contention()
-    doc = run(args.quick)
-    machine["other_processes_cpu_cores_during_run"] = contention.other_cores()
-    doc["machine"] = machine
-    print(render(doc))
-    print(benchutil.machine_line(machine))
-    benchutil.write_json(args.json, doc)
+    benchutil.measure_and_report(lambda: run(args.quick), render, args.json)
     return 0
 
 

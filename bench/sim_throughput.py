@@ -315,14 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.duration)))
         return 0
-    machine = benchutil.machine_info()
-    contention = benchutil.Contention()
-    doc = run(args.quick, with_memory=not args.no_memory)
-    machine["other_processes_cpu_cores_during_run"] = contention.other_cores()
-    doc["machine"] = machine
-    print(render(doc))
-    print(benchutil.machine_line(machine))
-    benchutil.write_json(args.json, doc)
+    benchutil.measure_and_report(
+        lambda: run(args.quick, with_memory=not args.no_memory), render, args.json
+    )
     return 0
 
 

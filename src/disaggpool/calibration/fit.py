@@ -24,7 +24,6 @@ non-negative (a negative time per token is never physical: the coefficient is th
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -221,7 +220,3 @@ def verdict(fits: Sequence[FitResult]) -> tuple[str, str]:
     if worst <= GOOD_MAPE:
         return "good", f"held-out error {worst:.1%}"
     return "fair", f"held-out error {worst:.1%} (> {GOOD_MAPE:.0%})"
-
-
-def finite(values: Sequence[float]) -> bool:
-    return all(math.isfinite(v) for v in values)

@@ -55,10 +55,6 @@ class PrefillEngine:
     def num_waiting(self) -> int:
         return len(self.queue) - len(self._batch)
 
-    def queued_tokens(self) -> int:
-        """Prompt tokens not yet prefilled (O(queue))."""
-        return sum(r.prompt_tokens - self._offset.get(r.index, 0) for r in self.queue)
-
     def enqueue(self, req: EngineRequest, now: float) -> None:
         if req.prompt_tokens > self.capacity or req.prompt_tokens > self.profile.max_model_len:
             req.rejected = True
