@@ -7,6 +7,7 @@
     disaggpool emulate --profile NAME|FILE [--port 8000] [...]     (see `disaggpool emulate -h`)
     disaggpool calibrate --endpoint URL [--peer URL] --role prefill|decode --out FILE
                          [--budget-seconds N] [--configmap NS/NAME] [--report FILE]
+    disaggpool operator [--namespace NS ...] [--liveness URL]      (the Kopf operator)
 
 Exit codes: 0 success, 2 bad input (the message names the file or argument and the field),
 1 anything unexpected. `calibrate` also: 3 the fit is poor (the profile is still written, with
@@ -157,7 +158,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if args.out:
             sinks.write_profile(result.profile, args.out)
         if args.configmap:
-            sinks.write_configmap(result.profile, args.configmap, result.report)
+            sinks.write_configmap(
+                result.profile, args.configmap, result.report, _labels(args.configmap_labels)
+            )
     except sinks.SinkError as exc:
         print(f"disaggpool: {exc}", file=sys.stderr)
         return EXIT_PROBE_FAILED
@@ -169,6 +172,38 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return EXIT_POOR_FIT if p.quality == "poor" else 0
+
+
+def _labels(text: str | None) -> dict[str, str] | None:
+    """`k=v,k2=v2` (the --configmap-labels flag) -> a label map; names the bad item."""
+    if not text:
+        return None
+    labels: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key:
+            raise InputError("--configmap-labels", item, "expected KEY=VALUE[,KEY=VALUE...]")
+        labels[key] = value
+    return labels
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    """Run the Kopf operator (disaggpool.operator.handlers) until interrupted."""
+    import logging
+
+    import kopf
+
+    import disaggpool.operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)  # also sets up logging for the whole process
+    logging.getLogger("disaggpool").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    return 0
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -226,7 +261,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--kv-bytes-per-token", type=int, default=int(_env("kv_bytes_per_token", 128 * 1024))
     )
+    c.add_argument(
+        "--configmap-labels",
+        default=_env("configmap_labels"),
+        metavar="K=V,...",
+        help="labels for the ConfigMap (the operator passes pool, pod and profile=true)",
+    )
     c.set_defaults(func=cmd_calibrate)
+
+    o = sub.add_parser("operator", help="run the Kopf operator for DisaggPool resources")
+    o.add_argument(
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help="watch only this namespace (repeatable; default: all namespaces)",
+    )
+    o.add_argument(
+        "--liveness",
+        default=_env("liveness"),
+        metavar="URL",
+        help="serve Kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz",
+    )
+    o.add_argument("--verbose", action="store_true", help="debug logging")
+    o.set_defaults(func=cmd_operator)
+
+    from disaggpool import demo, loadgen
+    from disaggpool.sidecar import cli as sidecar_cli
+
+    sidecar_cli.register(sub)
+    loadgen.register(sub)
+    demo.register(sub)
 
     from disaggpool.emulator import cli as emulator_cli
 

@@ -9,8 +9,6 @@ cluster, `KUBERNETES_API` and `KUBERNETES_TOKEN` point it at any API server (tes
 from __future__ import annotations
 
 import json
-import os
-import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -18,10 +16,10 @@ from pathlib import Path
 
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.profiles import dump_profile
+from disaggpool.kubeapi import KubeUnavailable, credentials
 
 __all__ = ["SinkError", "write_configmap", "write_profile"]
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PROFILE_KEY = "profile.yaml"
 
 
@@ -44,32 +42,6 @@ def write_profile(profile: CalibrationProfile, out: str) -> None:
         raise SinkError(f"{out}: cannot write: {exc.strerror or exc}") from None
 
 
-def _api() -> tuple[str, str, ssl.SSLContext | None]:
-    base = os.environ.get("KUBERNETES_API")
-    token = os.environ.get("KUBERNETES_TOKEN")
-    context: ssl.SSLContext | None = None
-    if not base:
-        host, port = (
-            os.environ.get("KUBERNETES_SERVICE_HOST"),
-            os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
-        )
-        if not host:
-            raise SinkError("no Kubernetes API: not in a cluster and KUBERNETES_API is not set")
-        base = f"https://{host}:{port}"
-        context = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
-    if token is None:
-        try:
-            token = (SA_DIR / "token").read_text().strip()
-        except OSError:
-            raise SinkError("no service-account token and KUBERNETES_TOKEN is not set") from None
-    if base.startswith("https") and context is None:
-        context = ssl.create_default_context()
-        if os.environ.get("KUBERNETES_INSECURE") == "1":
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-    return base.rstrip("/"), token, context
-
-
 def write_configmap(
     profile: CalibrationProfile,
     target: str,
@@ -80,7 +52,10 @@ def write_configmap(
     namespace, _, name = target.partition("/")
     if not namespace or not name:
         raise SinkError(f"--configmap: expected NAMESPACE/NAME, got {target!r}")
-    base, token, context = _api()
+    try:
+        base, token, context = credentials()
+    except KubeUnavailable as exc:
+        raise SinkError(str(exc)) from None
     body = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

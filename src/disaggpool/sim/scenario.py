@@ -21,6 +21,7 @@ from disaggpool.core.policies.registry import POLICY_NAMES
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
+from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml, resolve_profile
 from disaggpool.formats.traces import TraceRequest, read_trace
 from disaggpool.sim import workload
@@ -61,48 +62,9 @@ class Scenario:
         ]
 
 
-class _Reader:
-    """Typed access to a parsed document with errors that name the file and field path."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, message: str) -> InputError:
-        return InputError(self.source, path, message)
-
-    def mapping(self, value: Any, path: str) -> Mapping[str, Any]:
-        if not isinstance(value, Mapping):
-            raise self.fail(path, "must be a mapping")
-        return value
-
-    def number(
-        self, value: Any, path: str, *, minimum: float = 0.0, positive: bool = False
-    ) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(path, f"must be a number, got {value!r}")
-        if value < minimum or (positive and value <= 0):
-            raise self.fail(
-                path, f"must be {'> 0' if positive else f'>= {minimum}'}, got {value!r}"
-            )
-        return float(value)
-
-    def integer(self, value: Any, path: str, *, minimum: int = 1) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(path, f"must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def known(self, data: Mapping[str, Any], path: str, allowed: set[str]) -> None:
-        for key in data:
-            if key not in allowed:
-                prefix = f"{path}." if path else ""
-                raise self.fail(
-                    f"{prefix}{key}", f"unknown field (allowed: {', '.join(sorted(allowed))})"
-                )
-
-
 def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
-    rd = _Reader(str(path))
+    rd = FieldReader(str(path))
     try:
         text = path.read_text(encoding="utf-8")
         raw = json.loads(text) if path.suffix == ".json" else load_yaml(text)
@@ -132,7 +94,7 @@ def load_scenario(path: str | Path) -> Scenario:
         raise rd.fail("seeds", "must be a non-empty list of integers")
     seed_list = tuple(rd.integer(s, f"seeds[{i}]", minimum=0) for i, s in enumerate(seeds))
     instances = _pool(rd, doc.get("pool"), base, seed_list[0])
-    slo = _slo_classes(rd, doc.get("slo_classes"))
+    slo = read_slo_classes(rd, doc.get("slo_classes"))
     trace = _trace(rd, doc.get("trace"), base, {c.name for c in slo}, seed_list[0])
     policies = doc.get("policies", ["round_robin", "least_loaded", "length", "calibrated"])
     if not isinstance(policies, list) or not policies:
@@ -167,7 +129,7 @@ def load_scenario(path: str | Path) -> Scenario:
     )
 
 
-def _profile(rd: _Reader, ref: Any, field: str, base: Path) -> CalibrationProfile:
+def _profile(rd: FieldReader, ref: Any, field: str, base: Path) -> CalibrationProfile:
     if not isinstance(ref, str):
         raise rd.fail(field, "must be a built-in profile name or a file path")
     try:
@@ -176,7 +138,7 @@ def _profile(rd: _Reader, ref: Any, field: str, base: Path) -> CalibrationProfil
         raise rd.fail(field, str(exc)) from None
 
 
-def _pool(rd: _Reader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, ...]:
+def _pool(rd: FieldReader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, ...]:
     pool = rd.mapping(raw, "pool")
     rd.known(pool, "pool", {"prefill", "decode"})
     specs: list[InstanceSpec] = []
@@ -213,32 +175,9 @@ def _pool(rd: _Reader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, .
     return tuple(specs)
 
 
-def _slo_classes(rd: _Reader, raw: Any) -> tuple[SLOClass, ...]:
-    if not isinstance(raw, list) or not raw:
-        raise rd.fail("slo_classes", "must be a non-empty list")
-    classes = []
-    default = None
-    for i, item in enumerate(raw):
-        at = f"slo_classes[{i}]"
-        c = rd.mapping(item, at)
-        rd.known(c, at, {"name", "ttft_s", "tpot_s", "default"})
-        if not isinstance(c.get("name"), str) or not c["name"]:
-            raise rd.fail(f"{at}.name", "missing or not a string")
-        slo = SLOClass(
-            c["name"],
-            rd.number(c.get("ttft_s"), f"{at}.ttft_s", positive=True),
-            rd.number(c.get("tpot_s"), f"{at}.tpot_s", positive=True),
-        )
-        if c.get("default"):
-            default = slo
-        classes.append(slo)
-    if len({c.name for c in classes}) != len(classes):
-        raise rd.fail("slo_classes", "class names must be unique")
-    first = default or classes[0]
-    return (first, *[c for c in classes if c is not first])
-
-
-def _trace(rd: _Reader, raw: Any, base: Path, classes: set[str], seed: int) -> list[TraceRequest]:
+def _trace(
+    rd: FieldReader, raw: Any, base: Path, classes: set[str], seed: int
+) -> list[TraceRequest]:
     spec = rd.mapping(raw, "trace")
     rd.known(spec, "trace", {"file", "generate", "rate", "limit", "default_class"})
     if ("file" in spec) == ("generate" in spec):
@@ -258,7 +197,7 @@ def _trace(rd: _Reader, raw: Any, base: Path, classes: set[str], seed: int) -> l
     return trace
 
 
-def _generate(rd: _Reader, gen: Mapping[str, Any], seed: int) -> list[TraceRequest]:
+def _generate(rd: FieldReader, gen: Mapping[str, Any], seed: int) -> list[TraceRequest]:
     rd.known(
         gen,
         "trace.generate",

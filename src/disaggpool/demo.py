@@ -1,0 +1,398 @@
+"""`disaggpool demo`: the whole product on one machine, no cluster, no GPU, a few minutes.
+
+1. **Pool.** One prefill and three decode emulators (`disaggpool emulate`, each its own process),
+   timed by hidden *true* profiles the router never sees: the built-in A40 Llama-3-8B profile at
+   `SLOWDOWN` (so that a 2-core machine can stream every token), and the decode boards at
+   different speeds (1.0, 0.55 and 1.25: a throttled board and a faster one), 64 sequences each.
+2. **Calibration.** `disaggpool calibrate` probes every pod over HTTP, as the operator's Job does
+   (decode pods with the prefill pod as KV peer), and writes the fitted profiles.
+3. **Operating point.** The trace is the embedded Azure 2023 conversation trace (lengths clipped
+   to 2048/256 tokens) with bursty Gamma arrivals (CV 3); its SLO class is derived from unloaded
+   latency (`sim.capacity.slo_targets`: TTFT x4, TPOT x2 of the p90 request on the nominal
+   board), and its rate is the one at which round-robin attains 0.85 goodput in the simulator:
+   the regime where routing decisions matter, chosen without looking at any other policy.
+4. **Replay.** For each policy a fresh sidecar process (`disaggpool sidecar`) fronts the pool and
+   `loadgen.replay` sends the trace through its front door.
+5. **Prediction.** The simulator runs the same trace, the same policies, the true profiles as the
+   engines' timing and the fitted ones as the router's belief; the table puts the two side by side.
+
+`--json FILE` writes ``{"policies": [{"policy", "goodput_measured", "goodput_simulated",
+"requests", "errors", "ttft_p99_s", "tpot_p99_s"}], ...}`` plus the setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.formats.profiles import load_profile, save_profile
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.loadgen import replay
+from disaggpool.sim import capacity, workload
+from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.paper import azure_services
+from disaggpool.sim.runner import RunSpec, execute
+
+__all__ = ["DemoConfig", "register", "run_demo"]
+
+POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
+SLOWDOWN = 1.0  # emulated boards run at A40 speed
+DECODE_SPEEDS = (1.0, 0.55, 1.25)
+MAX_NUM_SEQS = 64
+TARGET_GOODPUT = 0.85
+JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    duration_s: float = 30.0  # trace length
+    budget_s: float = 20.0  # probe budget per pod
+    policies: tuple[str, ...] = POLICIES
+    seed: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def true_profiles() -> dict[str, tuple[str, CalibrationProfile]]:
+    """pod name -> (role, hidden true profile)."""
+    base = dataclasses.replace(builtin_profile("a40-llama3-8b"), max_num_seqs=MAX_NUM_SEQS)
+    pods = {"prefill-0": ("prefill", base.scaled(SLOWDOWN, name="prefill-0"))}
+    for i, speed in enumerate(DECODE_SPEEDS):
+        name = f"decode-{i}"
+        pods[name] = ("decode", base.scaled(SLOWDOWN * speed, name=name))
+    return pods
+
+
+def demo_trace(duration_s: float, seed: int) -> tuple[list[TraceRequest], SLOClass]:
+    """Azure conversation lengths in bursty arrivals at rate 1/s (rescaled later), one class."""
+    conv = azure_services()["chat"]
+    lengths = workload.clip_lengths(conv, 2048, 256)
+    rng = random.Random(f"demo:{seed}")
+    start = rng.randrange(0, max(1, len(lengths) - 2000))
+    picked = lengths[start : start + 2000]
+    arrivals = workload.gamma_arrivals(1.0, 3.0, len(picked), rng)
+    trace = workload.with_arrivals(picked, arrivals)
+    nominal = builtin_profile("a40-llama3-8b").scaled(SLOWDOWN)
+    slo = capacity.slo_targets(nominal, trace)["chat"]
+    return trace, slo
+
+
+def _spec(
+    pods: dict[str, tuple[str, CalibrationProfile]],
+    believed: dict[str, CalibrationProfile],
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+    policy: str,
+    seed: int,
+) -> RunSpec:
+    instances = tuple(
+        InstanceSpec(name, role, true, believed.get(name)) for name, (role, true) in pods.items()
+    )
+    return RunSpec(
+        experiment="demo",
+        trace_name="demo",
+        trace=tuple(trace),
+        history=(),
+        instances=instances,
+        policy=policy,
+        predictor="online",
+        slo_classes=(slo,),
+        seed=seed,
+        jitter=JITTER,
+    )
+
+
+def operating_rate(
+    pods: dict[str, tuple[str, CalibrationProfile]],
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+    duration_s: float,
+    seed: int,
+) -> tuple[float, list[TraceRequest]]:
+    """The highest rate at which round-robin attains TARGET_GOODPUT (bisection in the simulator)."""
+
+    def at(rate: float) -> list[TraceRequest]:
+        scaled = workload.rescale(trace, rate)
+        return [r for r in scaled if r.arrival_s < duration_s]
+
+    lo, hi = 0.5, 40.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        row = execute(_spec(pods, {}, at(mid), slo, "round_robin", seed))
+        lo, hi = (mid, hi) if row["goodput"] >= TARGET_GOODPUT else (lo, mid)
+    return lo, at(lo)
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+def _running(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _drain(urls: Sequence[str], timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(_running(u) == 0 for u in urls):
+            return
+        time.sleep(0.5)
+
+
+def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
+    exe = [sys.executable, "-m", "disaggpool"]
+    pods = true_profiles()
+    base_trace, slo = demo_trace(cfg.duration_s, cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, _processes() as procs:
+        tmp = Path(tmp_name)
+        (tmp / "profiles").mkdir()
+        urls: dict[str, str] = {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        _say(f"starting {len(pods)} emulated vLLM pods (hidden profiles)")
+        for name, (_, true) in pods.items():
+            path = tmp / f"true-{name}.yaml"
+            save_profile(true, path)
+            port = _free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+            log = (tmp / f"{name}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [*exe, "emulate", "--profile", str(path), "--port", str(port),
+                     "--seed", str(cfg.seed + len(procs))],
+                    env=pod_env, stdout=log, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+        for name, proc in zip(pods, procs, strict=True):
+            _wait_http(f"{urls[name]}/health", proc)
+
+        prefill_url = next(urls[n] for n, (role, _) in pods.items() if role == "prefill")
+        for name, (role, _) in pods.items():
+            _say(f"calibrating {name} ({role}, {cfg.budget_s:.0f} s probe)")
+            out = str(tmp / "profiles" / f"{name}.yaml")
+            cmd = [*exe, "calibrate", "--endpoint", urls[name], "--role", role, "--name", name,
+                   "--out", out, "--budget-seconds", str(cfg.budget_s),
+                   "--max-num-seqs", str(MAX_NUM_SEQS)]  # fmt: skip
+            if role == "decode":
+                cmd += ["--peer", prefill_url]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode not in (0, 3):
+                raise RuntimeError(f"calibrating {name} failed:\n{done.stderr[-2000:]}")
+            _say("  " + (done.stderr.strip().splitlines() or ["?"])[-1])
+        fitted = {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
+
+        rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed)
+        _say(
+            f"trace: {len(trace)} requests over {cfg.duration_s:.0f} s at {rate:.2f} req/s "
+            f"(round-robin's {TARGET_GOODPUT} goodput point); SLO TTFT {slo.ttft_s:.2f} s, "
+            f"TPOT {slo.tpot_s * 1000:.0f} ms"
+        )
+        rows = []
+        for policy in cfg.policies:
+            sim = execute(_spec(pods, fitted, trace, slo, policy, cfg.seed))
+            measured = _serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
+            _drain(list(urls.values()))
+            summary = measured.summary()
+            rows.append(
+                {
+                    "policy": policy,
+                    "goodput_measured": round(summary["goodput"], 4),
+                    "goodput_simulated": round(sim["goodput"], 4),
+                    "requests": summary["requests"],
+                    "errors": summary["errors"],
+                    "ttft_p99_s": round(summary["ttft_p99_s"], 4),
+                    "tpot_p99_s": round(summary["tpot_p99_s"], 4),
+                    "ttft_p99_s_simulated": round(sim["ttft_p99_s"], 4),
+                    "tpot_p99_s_simulated": round(sim["tpot_p99_s"], 4),
+                    "served_by_pod": _decode_decisions(tmp, policy),
+                }
+            )
+        result = {
+            "policies": rows,
+            "setup": {
+                "rate_rps": round(rate, 3),
+                "duration_s": cfg.duration_s,
+                "slo": dataclasses.asdict(slo),
+                "pods": {
+                    n: {"role": r, "speed_vs_a40": round(_speed(p), 3)}
+                    for n, (r, p) in pods.items()
+                },
+                "fitted": {
+                    n: {"quality": p.quality, "ttft_mape": p.ttft_mape, "tpot_mape": p.tpot_mape}
+                    for n, p in fitted.items()
+                },
+            },
+        }
+    _print_table(result)
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _speed(p: CalibrationProfile) -> float:
+    return builtin_profile("a40-llama3-8b").decode.d0 / p.decode.d0
+
+
+def _decode_decisions(tmp: Path, policy: str) -> dict[str, int]:
+    """Requests the sidecar sent to each decode pod (read from its metrics after the run)."""
+    path = tmp / f"decisions-{policy}.json"
+    return dict(sorted(json.loads(path.read_text()).items())) if path.exists() else {}
+
+
+def _serve_policy(
+    exe: list[str],
+    env: dict[str, str],
+    tmp: Path,
+    urls: dict[str, str],
+    pods: dict[str, tuple[str, CalibrationProfile]],
+    policy: str,
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+    procs: list[subprocess.Popen[bytes]],
+) -> Any:
+    port = _free_port()
+    config = {
+        "policy": policy,
+        "model": builtin_profile("a40-llama3-8b").model,
+        "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
+        "slo_classes": [{"name": slo.name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}],
+        "scrape_interval_s": 0.5,
+        "tokenizer": {"kind": "emulator"},
+        "pool": {
+            "static": {
+                role: [{"name": n, "url": urls[n]} for n, (r, _) in pods.items() if r == role]
+                for role in ("prefill", "decode")
+            }
+        },
+        "profiles": {"dir": str(tmp / "profiles")},
+    }
+    path = tmp / f"sidecar-{policy}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (tmp / f"sidecar-{policy}.log").open("wb")
+    proc = subprocess.Popen(
+        [*exe, "sidecar", "--config", str(path)], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{url}/health", proc)
+        time.sleep(1.0)  # one scrape interval and a profile-directory pass
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(trace), desc=f"{policy:>13}", unit="req", leave=True)
+
+        def tick(_: object) -> None:
+            bar.update(1)
+
+        report = asyncio.run(replay(url, trace, [slo], on_done=tick))
+        bar.close()
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        counts: dict[str, int] = {}
+        for line in metrics.splitlines():
+            if line.startswith("disaggpool_route_decisions_total{") and 'role="decode"' in line:
+                pod = line.split('pod="', 1)[1].split('"', 1)[0]
+                counts[pod] = counts.get(pod, 0) + int(float(line.rsplit(" ", 1)[1]))
+        (tmp / f"decisions-{policy}.json").write_text(json.dumps(counts))
+        return report
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    setup = result["setup"]
+    print(
+        f"\ndisaggpool demo: 1 prefill + 3 decode emulated pods, {setup['rate_rps']} req/s for "
+        f"{setup['duration_s']:.0f} s; SLO TTFT <= {setup['slo']['ttft_s']:.2f} s, "
+        f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
+    )
+    head = (f"{'policy':<14}{'goodput':>9}{'simulated':>11}{'errors':>8}{'TTFT p99':>10}"
+            f"{'TPOT p99':>10}  decode requests per pod")  # fmt: skip
+    print(head)
+    for r in result["policies"]:
+        served = " ".join(f"{k}={v}" for k, v in r["served_by_pod"].items())
+        print(
+            f"{r['policy']:<14}{r['goodput_measured']:>9.3f}{r['goodput_simulated']:>11.3f}"
+            f"{r['errors']:>8}{r['ttft_p99_s']:>9.2f}s{r['tpot_p99_s'] * 1000:>8.0f}ms  {served}"
+        )
+
+
+def _run(args: argparse.Namespace) -> int:
+    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    cfg = DemoConfig(
+        duration_s=args.duration, budget_s=args.budget_seconds, policies=policies, seed=args.seed
+    )
+    run_demo(cfg, args.json)
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="emulated pool + probe + sidecar + replay, per policy")
+    p.add_argument("--duration", type=float, default=30.0, help="trace seconds (default 30)")
+    p.add_argument("--budget-seconds", type=float, default=20.0, help="probe budget per pod")
+    p.add_argument("--policies", help=f"comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.set_defaults(func=_run)

@@ -1,0 +1,120 @@
+"""One sidecar process: routing service, collectors, gRPC server and HTTP front door on one loop.
+
+`disaggpool sidecar --config FILE` calls `run_forever`; tests and the demo use `start_sidecar`,
+which returns a `RunningSidecar` with the bound ports (0 in the config picks free ones) and an
+async `close`. Everything shares one asyncio loop, so the routing service needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from disaggpool.sidecar.collectors import Collectors
+from disaggpool.sidecar.config import SidecarConfig
+from disaggpool.sidecar.frontdoor import FrontDoor
+from disaggpool.sidecar.grpc_server import add_router, health_status
+from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.tokens import PromptCounter
+
+__all__ = ["RunningSidecar", "run_forever", "start_sidecar"]
+
+log = logging.getLogger("disaggpool.sidecar")
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclasses.dataclass
+class RunningSidecar:
+    service: RoutingService
+    collectors: Collectors
+    http_port: int
+    grpc_port: int
+    _runner: web.AppRunner
+    _grpc: grpc.aio.Server
+    _session: aiohttp.ClientSession
+    _health_task: asyncio.Task[None]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    async def close(self) -> None:
+        self._health_task.cancel()
+        await self.collectors.stop()
+        await self._grpc.stop(grace=1.0)
+        await self._runner.cleanup()
+        await self._session.close()
+
+
+async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidecar:
+    service = RoutingService(config, seed=seed)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s, sock_connect=5.0)
+    session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+    collectors = Collectors(service, session)
+    collectors.start()
+    if config.static_members:
+        await collectors.scrape_once()  # know the pods' health before the first request
+    counter = PromptCounter(config.tokenizer, service.state, config.model, session)
+
+    runner = web.AppRunner(
+        FrontDoor(service, session, counter).app(), handler_cancellation=True, access_log=None
+    )
+    await runner.setup()
+    host, port = _split(config.http_listen)
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    http_port = int(runner.addresses[0][1])
+
+    grpc_server = grpc.aio.server()
+    health_servicer = add_router(grpc_server, service, counter)
+    ghost, gport = _split(config.grpc_listen)
+    grpc_port = grpc_server.add_insecure_port(f"{ghost}:{gport}")
+    await grpc_server.start()
+
+    async def keep_health() -> None:
+        while True:
+            status = health_status(service)
+            await health_servicer.set("", status)
+            await health_servicer.set("disaggpool.router.v1.Router", status)
+            await asyncio.sleep(config.scrape_interval_s)
+
+    health_task = asyncio.get_running_loop().create_task(keep_health())
+    log.info(
+        "sidecar up: policy %s, HTTP front door on :%d, gRPC on :%d",
+        config.policy,
+        http_port,
+        grpc_port,
+    )
+    return RunningSidecar(
+        service, collectors, http_port, grpc_port, runner, grpc_server, session, health_task
+    )
+
+
+def run_forever(config: SidecarConfig) -> None:
+    """Serve until SIGINT/SIGTERM."""
+
+    async def main() -> None:
+        running = await start_sidecar(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await running.close()
+
+    asyncio.run(main())

@@ -1,0 +1,239 @@
+"""Background tasks that keep the sidecar's `PoolState` current; the hot path never waits on them.
+
+* membership: a static list (once), a YAML file (re-read when it changes) or Kubernetes pods
+  selected by label (watched; a pod counts once it is Ready with an IP, and its role comes from
+  the `disaggpool.io/role` label);
+* profiles: a directory of ``<pod>.yaml|.yml|.json`` files (re-read when they change; a mounted
+  ConfigMap works) or ConfigMaps selected by label (watched; pod from `disaggpool.io/pod`, the
+  profile in key `profile.yaml`, as the calibration Job writes it). A file or ConfigMap that does
+  not parse is logged with the field at fault and the pod keeps no profile: never a silent default;
+* scraping: every pod's `/metrics` each `scrape_interval_s`, concurrently; a pod that cannot be
+  reached or does not look like vLLM is marked unhealthy until a scrape succeeds;
+* expiry: requests nobody reported on within `inflight_ttl_s` are forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from disaggpool.core.profile import CalibrationProfile, profile_from_dict
+from disaggpool.errors import InputError
+from disaggpool.formats.fields import FieldReader
+from disaggpool.formats.profiles import load_yaml
+from disaggpool.kubeapi import credentials
+from disaggpool.sidecar.config import KubernetesSource, Member, SidecarConfig, parse_members
+from disaggpool.sidecar.kube import watch_objects
+from disaggpool.sidecar.scrape import MetricsFormatError, parse_gauges
+from disaggpool.sidecar.service import RoutingService
+
+__all__ = ["Collectors", "members_from_pods", "profiles_from_configmaps"]
+
+log = logging.getLogger("disaggpool.sidecar")
+
+ROLE_LABEL = "disaggpool.io/role"
+POD_LABEL = "disaggpool.io/pod"
+PROFILE_KEY = "profile.yaml"
+
+
+def members_from_pods(pods: Mapping[str, Mapping[str, Any]], port: int) -> list[Member]:
+    """The Ready, addressable pods with a valid role label."""
+    out = []
+    for name, pod in sorted(pods.items()):
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        role = (meta.get("labels") or {}).get(ROLE_LABEL)
+        ip = status.get("podIP")
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if role in ("prefill", "decode") and ip and ready and not meta.get("deletionTimestamp"):
+            host = f"[{ip}]" if ":" in ip else ip
+            out.append(Member(name, role, f"http://{host}:{port}"))
+    return out
+
+
+def profiles_from_configmaps(
+    maps: Mapping[str, Mapping[str, Any]],
+) -> dict[str, CalibrationProfile | InputError]:
+    """pod name -> its profile, or the error that stopped it from loading."""
+    out: dict[str, CalibrationProfile | InputError] = {}
+    for name, cm in sorted(maps.items()):
+        pod = ((cm.get("metadata") or {}).get("labels") or {}).get(POD_LABEL)
+        if not pod:
+            continue
+        text = (cm.get("data") or {}).get(PROFILE_KEY)
+        source = f"configmap/{name}"
+        if text is None:
+            out[pod] = InputError(source, PROFILE_KEY, "missing")
+            continue
+        try:
+            out[pod] = profile_from_dict(load_yaml(text), source)
+        except InputError as exc:
+            out[pod] = exc
+    return out
+
+
+class Collectors:
+    """Starts and stops every background task of one sidecar."""
+
+    def __init__(self, service: RoutingService, session: aiohttp.ClientSession) -> None:
+        self.service = service
+        self.state = service.state
+        self.config: SidecarConfig = service.config
+        self.session = session
+        self._tasks: list[asyncio.Task[None]] = []
+        self._files: dict[str, float] = {}  # path -> mtime seen
+        self._profile_errors: dict[str, str] = {}
+        self._k8s_profiles: dict[str, CalibrationProfile | InputError] = {}
+
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.static_members:
+            self._set_members(cfg.static_members)
+        elif cfg.members_file:
+            self._spawn(self._poll_file_members(cfg.members_file))
+        elif cfg.members_kubernetes is not None:
+            self._spawn(self._watch(cfg.members_kubernetes, "pods", self._on_pods))
+        if cfg.profiles_dir:
+            self._spawn(self._poll_profile_dir(Path(cfg.profiles_dir)))
+        if cfg.profiles_kubernetes is not None:
+            self._spawn(self._watch(cfg.profiles_kubernetes, "configmaps", self._on_configmaps))
+        self._spawn(self._scrape_loop())
+        self._spawn(self._expire_loop())
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    # ------------------------------------------------------------------ membership
+    def _set_members(self, members: Any) -> None:
+        added, removed = self.state.set_members(members)
+        for name in added:
+            log.info("pod %s joined the pool", name)
+        for name in removed:
+            log.info("pod %s left the pool", name)
+        if added and self.config.profiles_dir:
+            self._files.clear()  # re-read profiles: a new pod may already have one
+
+    async def _poll_file_members(self, path: str) -> None:
+        while True:
+            try:
+                mtime = Path(path).stat().st_mtime
+                if self._files.get(path) != mtime:
+                    self._files[path] = mtime
+                    doc = load_yaml(Path(path).read_text(encoding="utf-8"))
+                    self._set_members(parse_members(doc, FieldReader(path), "<document>"))
+            except (OSError, InputError) as exc:
+                log.error("pool file %s: %s (keeping the previous membership)", path, exc)
+            await asyncio.sleep(self.config.scrape_interval_s)
+
+    def _on_pods(self, pods: dict[str, dict[str, Any]]) -> None:
+        assert self.config.members_kubernetes is not None
+        self._set_members(members_from_pods(pods, self.config.members_kubernetes.port))
+        self._apply_profiles()
+
+    async def _watch(
+        self, src: KubernetesSource, kind: str, on_change: Callable[[dict[str, Any]], None]
+    ) -> None:
+        base, token, tls = credentials()
+        path = f"/api/v1/namespaces/{src.namespace}/{kind}"
+        await watch_objects(self.session, base, token, tls, path, src.selector, on_change)
+
+    # ------------------------------------------------------------------ profiles
+    def _on_configmaps(self, maps: dict[str, dict[str, Any]]) -> None:
+        self._k8s_profiles = profiles_from_configmaps(maps)
+        self._apply_profiles()
+
+    def _apply_profiles(self) -> None:
+        """Install the ConfigMap profiles on the current members (pods may come after)."""
+        now = self.service.clock()
+        for name, inst in self.state.instances.items():
+            got = self._k8s_profiles.get(name)
+            profile = got if isinstance(got, CalibrationProfile) else None
+            if isinstance(got, InputError):
+                self._report_profile_error(name, str(got))
+            if profile != inst.profile:
+                self.state.set_profile(name, profile, now)
+                self.service.profile_changed(name)
+                if profile is not None:
+                    log.info("pod %s: profile %s (%s)", name, profile.name, profile.quality)
+
+    def _report_profile_error(self, pod: str, message: str) -> None:
+        if self._profile_errors.get(pod) != message:
+            self._profile_errors[pod] = message
+            log.error("pod %s: profile rejected: %s", pod, message)
+
+    async def _poll_profile_dir(self, folder: Path) -> None:
+        while True:
+            now = self.service.clock()
+            for name in list(self.state.instances):
+                path = next(
+                    (p for ext in (".yaml", ".yml", ".json") if (p := folder / f"{name}{ext}")
+                     .is_file()), None,
+                )  # fmt: skip
+                if path is None:
+                    continue
+                try:
+                    mtime = path.stat().st_mtime
+                    if self._files.get(str(path)) == mtime:
+                        continue
+                    self._files[str(path)] = mtime
+                    profile = profile_from_dict(
+                        load_yaml(path.read_text(encoding="utf-8")), str(path)
+                    )
+                except (OSError, InputError) as exc:
+                    self._report_profile_error(name, str(exc))
+                    continue
+                self.state.set_profile(name, profile, now)
+                self.service.profile_changed(name)
+                log.info("pod %s: profile %s (%s) from %s", name, profile.name,
+                         profile.quality, path)  # fmt: skip
+            await asyncio.sleep(self.config.scrape_interval_s)
+
+    # ------------------------------------------------------------------ scraping and expiry
+    async def scrape_once(self) -> None:
+        members = [i.member for i in list(self.state.instances.values()) if not i.removed]
+        await asyncio.gather(*(self._scrape(m) for m in members))
+
+    async def _scrape(self, member: Member) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * self.config.scrape_interval_s))
+        try:
+            async with self.session.get(f"{member.url}/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise MetricsFormatError(f"HTTP {resp.status}")
+                gauges = parse_gauges(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, OSError, MetricsFormatError) as exc:
+            inst = self.state.instances.get(member.name)
+            if inst is not None and inst.healthy:
+                log.warning("pod %s unreachable: %s", member.name, exc or type(exc).__name__)
+            self.state.unreachable(member.name)
+            return
+        inst = self.state.instances.get(member.name)
+        if inst is not None and inst.member == member:
+            if not inst.healthy:
+                log.info("pod %s is healthy again", member.name)
+            self.state.scraped(member.name, gauges, self.service.clock())
+
+    async def _scrape_loop(self) -> None:
+        interval = self.config.scrape_interval_s
+        while True:
+            started = time.monotonic()
+            await self.scrape_once()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(30.0, self.config.inflight_ttl_s / 4))
+            self.service.expire()

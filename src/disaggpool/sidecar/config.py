@@ -1,0 +1,253 @@
+"""The sidecar's configuration file (`disaggpool sidecar --config FILE`), parsed and checked once.
+
+Every field is documented in `sidecar/CONFIG.md`. Parsing names the file and the field on any
+error (``sidecar.yaml: pool.static.decode[2].url: must be a non-empty string``); nothing
+downstream re-validates. Read by `sidecar.app` (the process) and by `demo` (which writes one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from disaggpool.core.contracts import Role, SLOClass
+from disaggpool.core.policies.registry import POLICY_NAMES
+from disaggpool.core.predictor import make_predictor
+from disaggpool.errors import InputError
+from disaggpool.formats.fields import FieldReader, read_slo_classes
+from disaggpool.formats.profiles import load_yaml
+
+__all__ = [
+    "KubernetesSource",
+    "Member",
+    "SidecarConfig",
+    "TokenizerConfig",
+    "load_config",
+    "parse_config",
+    "parse_members",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Member:
+    """One vLLM pod of the pool: its name, role and base URL."""
+
+    name: str
+    role: Role
+    url: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KubernetesSource:
+    """Objects of one namespace chosen by labels (pods for membership, ConfigMaps for profiles)."""
+
+    namespace: str
+    selector: str
+    port: int = 8000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """How prompt lengths are made exact.
+
+    ``engine``: POST the prompt to a prefill pod's `/tokenize` (always exact, one round trip);
+    ``emulator``: the emulator's deterministic tokenizer in process (exact for emulated pools);
+    ``huggingface``: a `tokenizer.json` loaded with the `tokenizers` library (exact for real
+    models, no round trip).
+    """
+
+    kind: Literal["engine", "emulator", "huggingface"] = "engine"
+    path: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    policy: str
+    model: str
+    slo_classes: tuple[SLOClass, ...]  # the default class first
+    grpc_listen: str = "0.0.0.0:50051"
+    http_listen: str = "0.0.0.0:8000"
+    predictor: str = "online"
+    scrape_interval_s: float = 1.0
+    max_inflight: int = 512
+    prefill_attempts: int = 2
+    inflight_ttl_s: float = 600.0
+    upstream_timeout_s: float = 600.0
+    heterogeneity_window: int = 512
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    static_members: tuple[Member, ...] = ()
+    members_file: str = ""
+    members_kubernetes: KubernetesSource | None = None
+    profiles_dir: str = ""
+    profiles_kubernetes: KubernetesSource | None = None
+
+    @property
+    def default_slo(self) -> SLOClass:
+        return self.slo_classes[0]
+
+    def slo(self, name: str) -> SLOClass | None:
+        """The class called `name` ('' = the default), or None."""
+        if not name:
+            return self.slo_classes[0]
+        return next((c for c in self.slo_classes if c.name == name), None)
+
+
+_TOP = {
+    "policy",
+    "model",
+    "listen",
+    "slo_classes",
+    "default_slo_class",
+    "predictor",
+    "scrape_interval_s",
+    "max_inflight",
+    "prefill_attempts",
+    "inflight_ttl_s",
+    "upstream_timeout_s",
+    "heterogeneity_window",
+    "tokenizer",
+    "pool",
+    "profiles",
+}
+
+
+def load_config(path: str | Path) -> SidecarConfig:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(str(path), "<file>", f"cannot read: {exc.strerror or exc}") from None
+    return parse_config(load_yaml(text), str(path), base=Path(path).parent)
+
+
+def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -> SidecarConfig:
+    rd = FieldReader(source)
+    top = rd.mapping(doc, "<document>")
+    rd.known(top, "", _TOP)
+    policy = rd.string(top.get("policy", "calibrated"), "policy")
+    if policy not in POLICY_NAMES or policy == "uncalibrated":
+        valid = ", ".join(p for p in POLICY_NAMES if p != "uncalibrated")
+        raise rd.fail("policy", f"unknown policy {policy!r}; valid: {valid}")
+    classes = read_slo_classes(rd, top.get("slo_classes"))
+    default = top.get("default_slo_class")
+    if default is not None:
+        match = [c for c in classes if c.name == default]
+        if not match:
+            raise rd.fail("default_slo_class", f"no SLO class named {default!r}")
+        classes = (match[0], *[c for c in classes if c is not match[0]])
+    predictor = rd.string(top.get("predictor", "online"), "predictor")
+    try:
+        make_predictor(predictor)
+    except (InputError, ValueError) as exc:
+        raise rd.fail("predictor", str(exc)) from None
+    listen = rd.mapping(top.get("listen", {}), "listen")
+    rd.known(listen, "listen", {"grpc", "http"})
+    kwargs: dict[str, Any] = {}
+    for key in ("grpc", "http"):
+        if key in listen:
+            kwargs[f"{key}_listen"] = _address(rd, listen[key], f"listen.{key}")
+    for key in ("scrape_interval_s", "inflight_ttl_s", "upstream_timeout_s"):
+        if key in top:
+            kwargs[key] = rd.number(top[key], key, positive=True)
+    for key in ("max_inflight", "prefill_attempts", "heterogeneity_window"):
+        if key in top:
+            least = 2 if key == "heterogeneity_window" else 1
+            kwargs[key] = rd.integer(top[key], key, minimum=least)
+    if "tokenizer" in top:
+        kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
+    kwargs.update(_pool(rd, top.get("pool"), base))
+    kwargs.update(_profiles(rd, top.get("profiles", {}), base))
+    return SidecarConfig(
+        policy=policy,
+        model=rd.string(top.get("model"), "model"),
+        slo_classes=classes,
+        predictor=predictor,
+        **kwargs,
+    )
+
+
+def _address(rd: FieldReader, value: Any, path: str) -> str:
+    text = rd.string(value, path)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise rd.fail(path, f"must be HOST:PORT, got {text!r}")
+    return text
+
+
+def _tokenizer(rd: FieldReader, raw: Any, base: Path | None) -> TokenizerConfig:
+    t = rd.mapping(raw, "tokenizer")
+    rd.known(t, "tokenizer", {"kind", "path"})
+    kind = t.get("kind", "engine")
+    if kind not in ("engine", "emulator", "huggingface"):
+        raise rd.fail("tokenizer.kind", f"must be engine, emulator or huggingface, got {kind!r}")
+    path = ""
+    if kind == "huggingface":
+        path = _path(rd.string(t.get("path"), "tokenizer.path"), base)
+    return TokenizerConfig(kind=kind, path=path)
+
+
+def _path(text: str, base: Path | None) -> str:
+    p = Path(text)
+    return str(p if p.is_absolute() or base is None else base / p)
+
+
+def _kubernetes(rd: FieldReader, raw: Any, path: str, *, port: bool) -> KubernetesSource:
+    k = rd.mapping(raw, path)
+    rd.known(k, path, {"namespace", "selector", "port"} if port else {"namespace", "selector"})
+    return KubernetesSource(
+        namespace=rd.string(k.get("namespace"), f"{path}.namespace"),
+        selector=rd.string(k.get("selector"), f"{path}.selector"),
+        port=rd.integer(k.get("port", 8000), f"{path}.port") if port else 8000,
+    )
+
+
+def _pool(rd: FieldReader, raw: Any, base: Path | None) -> dict[str, Any]:
+    pool = rd.mapping(raw, "pool")
+    rd.known(pool, "pool", {"static", "file", "kubernetes"})
+    if len(pool) != 1:
+        raise rd.fail("pool", "give exactly one of static, file, kubernetes")
+    if "static" in pool:
+        return {"static_members": parse_members(pool["static"], rd, "pool.static")}
+    if "file" in pool:
+        return {"members_file": _path(rd.string(pool["file"], "pool.file"), base)}
+    return {"members_kubernetes": _kubernetes(rd, pool["kubernetes"], "pool.kubernetes", port=True)}
+
+
+def _profiles(rd: FieldReader, raw: Any, base: Path | None) -> dict[str, Any]:
+    prof = rd.mapping(raw, "profiles")
+    rd.known(prof, "profiles", {"dir", "kubernetes"})
+    out: dict[str, Any] = {}
+    if "dir" in prof:
+        out["profiles_dir"] = _path(rd.string(prof["dir"], "profiles.dir"), base)
+    if "kubernetes" in prof:
+        out["profiles_kubernetes"] = _kubernetes(
+            rd, prof["kubernetes"], "profiles.kubernetes", port=False
+        )
+    return out
+
+
+def parse_members(raw: Any, rd: FieldReader, path: str) -> tuple[Member, ...]:
+    """``{prefill: [{name, url}], decode: [...]}``: at least one of each, unique names."""
+    m = rd.mapping(raw, path)
+    rd.known(m, path, {"prefill", "decode"})
+    members: list[Member] = []
+    for role in ("prefill", "decode"):
+        items = m.get(role)
+        if not isinstance(items, list) or not items:
+            raise rd.fail(f"{path}.{role}", "must be a non-empty list of {name, url}")
+        for i, item in enumerate(items):
+            at = f"{path}.{role}[{i}]"
+            entry: Mapping[str, Any] = rd.mapping(item, at)
+            rd.known(entry, at, {"name", "url"})
+            url = rd.string(entry.get("url"), f"{at}.url").rstrip("/")
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise rd.fail(f"{at}.url", f"must be an http(s) base URL, got {url!r}")
+            members.append(Member(rd.string(entry.get("name"), f"{at}.name"), role, url))
+    names = [x.name for x in members]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise rd.fail(path, f"pod names must be unique, repeated: {', '.join(dup)}")
+    return tuple(members)

@@ -1,0 +1,159 @@
+"""The sidecar's Prometheus metrics (served on the front door's `/metrics`).
+
+Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` counters):
+
+* `disaggpool_route_decisions_total{policy,role,pod}`: every decision, once per role, so a
+  dashboard shows how the work splits over pods;
+* `disaggpool_route_decision_seconds`: time spent in the policy (histogram);
+* `disaggpool_route_fallbacks_total{reason}`: decisions made without a trusted profile for
+  every pod (``fallback``: a pod scored with the median trusted profile; ``no-profile``: none
+  trusted, least-loaded used);
+* `disaggpool_requests_total{slo_class,outcome}`: finished requests, outcome ``met``,
+  ``missed`` (completed outside its SLO), ``failed``, or ``aborted`` (the client left; not
+  the router's doing, so outside goodput); goodput of a class is met / (met + missed + failed);
+* `disaggpool_goodput_ratio{slo_class}`: the same over the last `window` finished requests;
+* `disaggpool_rejected_requests_total{reason}`: refused before routing (overload, no capacity,
+  bad request);
+* `disaggpool_prediction_relative_error{quantity}`: |predicted - observed| / observed for
+  ``ttft`` and ``tpot`` (histogram), the calibration-drift signal;
+* `disaggpool_traffic_heterogeneity`: CV of per-request token work over the window
+  (`core.heterogeneity`);
+* `disaggpool_inflight_requests`; per pod: `disaggpool_pod_healthy`,
+  `disaggpool_pod_inflight_requests`, `disaggpool_profile_trusted`,
+  `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1);
+* `disaggpool_frontdoor_requests_total{endpoint,code}`,
+  `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`.
+
+Per-pod gauges are read from the live `PoolState` at scrape time by a collector, so pods that
+leave the pool leave the page too. One registry per sidecar (tests run several in a process).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from disaggpool.sidecar.state import PoolState
+
+__all__ = ["SidecarMetrics"]
+
+_DECISION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
+)  # fmt: skip
+_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+class _PodCollector(Collector):
+    def __init__(self, state: PoolState, now: Callable[[], float]) -> None:
+        self.state = state
+        self.now = now
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.now()
+        healthy = GaugeMetricFamily(
+            "disaggpool_pod_healthy", "1 when the pod's last scrape or request succeeded",
+            labels=["pod", "role"],
+        )  # fmt: skip
+        inflight = GaugeMetricFamily(
+            "disaggpool_pod_inflight_requests", "requests routed to the pod and not finished",
+            labels=["pod", "role"],
+        )  # fmt: skip
+        trusted = GaugeMetricFamily(
+            "disaggpool_profile_trusted", "1 when the pod has a good or fair calibration profile",
+            labels=["pod"],
+        )  # fmt: skip
+        age = GaugeMetricFamily(
+            "disaggpool_profile_age_seconds", "seconds since the pod's profile was loaded",
+            labels=["pod"],
+        )  # fmt: skip
+        info = GaugeMetricFamily(
+            "disaggpool_profile_info", "the pod's calibration profile (value 1)",
+            labels=["pod", "profile", "quality"],
+        )  # fmt: skip
+        for inst in self.state.instances.values():
+            if inst.removed:
+                continue
+            healthy.add_metric([inst.name, inst.role], 1.0 if inst.healthy else 0.0)
+            inflight.add_metric([inst.name, inst.role], float(inst.inflight))
+            p = inst.profile
+            trusted.add_metric([inst.name], 1.0 if p is not None and p.trusted else 0.0)
+            if p is not None:
+                age.add_metric([inst.name], max(0.0, now - inst.profile_loaded_at))
+                info.add_metric([inst.name, p.name, p.quality], 1.0)
+        yield from (healthy, inflight, trusted, age, info)
+
+
+class SidecarMetrics:
+    """All series of one sidecar (see the module docstring)."""
+
+    def __init__(self, state: PoolState, now: Callable[[], float], window: int = 512) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "disaggpool_route_decisions", "routing decisions, by policy, role and chosen pod",
+            ["policy", "role", "pod"], registry=r,
+        )  # fmt: skip
+        self.decision_seconds = Histogram(
+            "disaggpool_route_decision_seconds", "time spent in the routing policy",
+            buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.fallbacks = Counter(
+            "disaggpool_route_fallbacks", "decisions made without a trusted profile for every pod",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "disaggpool_requests", "finished requests by SLO class and outcome",
+            ["slo_class", "outcome"], registry=r,
+        )  # fmt: skip
+        self.goodput = Gauge(
+            "disaggpool_goodput_ratio", "fraction of the window's finished requests meeting SLO",
+            ["slo_class"], registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "disaggpool_rejected_requests", "requests refused before routing, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.prediction_error = Histogram(
+            "disaggpool_prediction_relative_error", "|predicted - observed| / observed",
+            ["quantity"], buckets=_ERROR_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.heterogeneity = Gauge(
+            "disaggpool_traffic_heterogeneity",
+            "coefficient of variation of per-request token work over the window", registry=r,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "disaggpool_inflight_requests", "requests routed and not finished", registry=r
+        )
+        self.frontdoor = Counter(
+            "disaggpool_frontdoor_requests", "front-door HTTP requests by endpoint and status",
+            ["endpoint", "code"], registry=r,
+        )  # fmt: skip
+        self.upstream_failures = Counter(
+            "disaggpool_upstream_failures", "failed upstream legs, by stage (prefill/decode)",
+            ["stage"], registry=r,
+        )  # fmt: skip
+        self.prefill_retries = Counter(
+            "disaggpool_prefill_retries", "prefill legs retried on another pod", registry=r
+        )
+        r.register(_PodCollector(state, now))
+        self._window = window
+        self._outcomes: dict[str, collections.deque[bool]] = {}
+        self._met: dict[str, int] = {}
+
+    def outcome(self, slo_class: str, outcome: str) -> None:
+        """Count a finished request: outcome is met, missed or failed."""
+        self.requests.labels(slo_class, outcome).inc()
+        window = self._outcomes.setdefault(slo_class, collections.deque())
+        met = self._met.get(slo_class, 0) + (outcome == "met")
+        window.append(outcome == "met")
+        if len(window) > self._window:
+            met -= window.popleft()
+        self._met[slo_class] = met
+        self.goodput.labels(slo_class).set(met / len(window))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,47 @@
+"""Helpers of the sidecar tests: the pool description and a config builder.
+
+(A module with a unique name rather than `conftest`, so imports never pick another directory's.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.emulator.harness import EmulatorThread
+from disaggpool.sidecar.config import SidecarConfig, parse_config
+
+MODEL = "test/model"
+A40 = builtin_profile("a40-llama3-8b")
+
+
+@dataclasses.dataclass
+class Pool:
+    pods: dict[str, tuple[str, EmulatorThread]]  # name -> (role, emulator)
+    profiles_dir: Path
+
+    def urls(self, role: str) -> list[dict[str, str]]:
+        return [{"name": n, "url": e.url} for n, (r, e) in self.pods.items() if r == role]
+
+    def emulator(self, name: str) -> EmulatorThread:
+        return self.pods[name][1]
+
+
+def sidecar_config(pool: Pool, /, **overrides: Any) -> SidecarConfig:
+    doc: dict[str, Any] = {
+        "policy": "calibrated",
+        "model": MODEL,
+        "listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0"},
+        "slo_classes": [
+            {"name": "interactive", "ttft_s": 2.0, "tpot_s": 0.2},
+            {"name": "batch", "ttft_s": 30.0, "tpot_s": 1.0},
+        ],
+        "scrape_interval_s": 0.2,
+        "tokenizer": {"kind": "emulator"},
+        "pool": {"static": {"prefill": pool.urls("prefill"), "decode": pool.urls("decode")}},
+        "profiles": {"dir": str(pool.profiles_dir)},
+    }
+    doc.update(overrides)
+    return parse_config(doc, "<test>")

@@ -1,0 +1,298 @@
+"""The front door end to end: real emulated pods, the real sidecar, real HTTP (and the openai
+client), checking the two-step handoff, error shapes, failure handling and accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from sidecar_testkit import A40, MODEL
+
+from disaggpool.formats.profiles import save_profile
+from disaggpool.sidecar.harness import SidecarThread
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def metric(sc: SidecarThread, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"{sc.url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def idle(sc: SidecarThread) -> bool:
+    return sc.call(lambda: len(sc.running.service.state.records) == 0)
+
+
+def test_openai_client_streaming_and_not(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40], [A40, A40])
+    sc = start_sidecar(pool)
+    client = openai.OpenAI(base_url=f"{sc.url}/v1", api_key="unused")
+    done = client.completions.create(model=MODEL, prompt="tell me a story", max_tokens=7)
+    assert done.usage is not None and done.usage.completion_tokens == 7
+    assert done.usage.prompt_tokens == 5  # BOS + 4 words: counted by the decode pod itself
+    assert done.choices[0].finish_reason == "length"
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) == 5
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert idle(sc)
+    # Both requests went prefill -> decode: one prefill leg and one decode leg each.
+    p0 = pool.emulator("p0")
+    served_p = p0.call(lambda: p0.instance.metrics.request_success)
+    assert sum(served_p.values()) == 2
+    assert metric(sc, "disaggpool_requests_total", outcome="met") == 2
+
+
+def test_bad_requests_name_the_field(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40], [A40])
+    sc = start_sidecar(pool)
+    url = f"{sc.url}/v1/completions"
+    status, body = post(url, b"{not json")
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = post(url, {"prompt": "x", "max_tokens": "ten"})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = post(url, {"prompt": 7})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body = post(url, {"prompt": "x", "slo_class": "platinum"})
+    assert status == 400 and body["error"]["param"] == "slo_class"
+    assert "interactive" in body["error"]["message"]
+    status, body = post(url, {"prompt": "x", "kv_transfer_params": {}})
+    assert status == 400 and body["error"]["param"] == "kv_transfer_params"
+    status, body = post(url, {"model": "other", "prompt": "x"})
+    assert status == 404 and body["error"]["param"] == "model"
+    status, body = post(f"{sc.url}/v1/chat/completions", {"messages": []})
+    assert status == 400 and body["error"]["param"] == "messages"
+    # The SLO class may come as a header; an unknown one is refused the same way.
+    status, body = post(url, {"prompt": "x", "max_tokens": 2}, {"X-SLO-Class": "batch"})
+    assert status == 200
+    assert metric(sc, "disaggpool_requests_total", slo_class="batch") == 1
+    assert metric(sc, "disaggpool_rejected_requests_total", reason="bad_request") == 7
+
+
+def test_prefill_failure_retries_on_another_prefill_pod(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40, A40], [A40])
+    sc = start_sidecar(pool, scrape_interval_s=60.0)  # no scrape will notice the dead pod
+    pool.emulator("p0").stop()
+    pool.emulator("p1")
+    for i in range(4):
+        status, body = post(f"{sc.url}/v1/completions", {"prompt": f"q {i}", "max_tokens": 3})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 3
+    assert metric(sc, "disaggpool_prefill_retries_total") >= 1
+    assert metric(sc, "disaggpool_upstream_failures_total", stage="prefill") >= 1
+    assert idle(sc)
+
+
+def start_emulator_process(profile_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A separate emulator process, so that it can die abruptly (SIGKILL), mid-stream."""
+    port = free_port()
+    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "disaggpool",
+            "emulate",
+            "--profile",
+            str(profile_path),
+            "--port",
+            str(port),
+            "--model",
+            MODEL,
+            "--jitter",
+            "0",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=1).status == 200:
+                return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("emulator process did not start")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_killing_a_decode_pod_mid_run_loses_no_request(start_pool, start_sidecar, tmp_path) -> None:
+    slow = A40.scaled(0.5)
+    pool = start_pool([A40], [slow])
+    save_profile(slow, tmp_path / "slow.yaml")
+    proc, url = start_emulator_process(tmp_path / "slow.yaml")
+    try:
+        decode = [*pool.urls("decode"), {"name": "victim", "url": url}]
+        static = {"prefill": pool.urls("prefill"), "decode": decode}
+        sc = start_sidecar(pool, policy="round_robin", pool={"static": static})
+        client = openai.OpenAI(base_url=f"{sc.url}/v1", api_key="unused", max_retries=0)
+        outcomes: list[str] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            try:
+                stream = client.completions.create(
+                    model=MODEL, prompt=f"request {i}", max_tokens=60, stream=True
+                )
+                text = "".join(c.choices[0].text for c in stream if c.choices)
+                result = "ok" if len(text.split()) == 60 else "short"
+            except openai.APIError as exc:
+                result = f"error:{type(exc).__name__}"
+            with lock:
+                outcomes.append(result)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        for t in threads[:8]:
+            t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGKILL)  # dies with requests streaming from it
+        proc.wait(10)
+        for t in threads[8:]:
+            t.start()
+            time.sleep(0.1)
+        for t in threads:
+            t.join(120)
+    finally:
+        proc.kill()
+    assert len(outcomes) == 16
+    ok = outcomes.count("ok")
+    failed = 16 - ok
+    assert "short" not in outcomes  # a cut stream is reported as an error, never as a success
+    assert failed >= 1  # the requests streaming from the dead pod got a clear error...
+    assert ok >= 8  # ...and the later ones went to the surviving pod
+    assert idle(sc)
+    met = metric(sc, "disaggpool_requests_total", outcome="met")
+    missed = metric(sc, "disaggpool_requests_total", outcome="missed")
+    lost = metric(sc, "disaggpool_requests_total", outcome="failed")
+    assert met + missed == ok and lost == failed  # the counts add up
+
+
+def test_calibrated_sends_less_work_to_a_slower_pod(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40.scaled(3.0)], [A40, A40.scaled(0.35)])
+    sc = start_sidecar(pool, slo_classes=[{"name": "chat", "ttft_s": 3.0, "tpot_s": 0.06}])
+
+    async def burst() -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+
+            async def one(i: int) -> None:
+                body = {"prompt": "word " * (50 + 7 * i), "max_tokens": 40, "ignore_eos": True}
+                async with s.post(f"{sc.url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+
+            for wave in range(6):
+                await asyncio.gather(*(one(8 * wave + i) for i in range(8)))
+
+    asyncio.run(burst())
+    fast = metric(sc, "disaggpool_route_decisions_total", role="decode", pod="d0")
+    slow = metric(sc, "disaggpool_route_decisions_total", role="decode", pod="d1")
+    assert fast + slow == 48
+    assert slow < 0.35 * fast, (fast, slow)
+
+
+def test_client_disconnect_aborts_the_upstream_request(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40], [A40.scaled(0.2)])
+    sc = start_sidecar(pool)
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", sc.running.http_port, timeout=30)
+    body = json.dumps({"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.readline()  # the first event arrived: decoding on d0
+    d0 = pool.emulator("d0")
+    assert d0.call(lambda: d0.instance.decode.engine.num_running) == 1
+    conn.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+        idle(sc) and d0.call(lambda: d0.instance.decode.engine.num_running) == 0
+    ):
+        time.sleep(0.05)
+    assert idle(sc)
+    assert d0.call(lambda: d0.instance.decode.engine.num_running) == 0  # vLLM-side abort
+    assert metric(sc, "disaggpool_requests_total", outcome="aborted") == 1
+
+
+def test_overload_answers_429_with_retry_after(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40], [A40.scaled(0.2)])
+    sc = start_sidecar(pool, max_inflight=2)
+
+    async def flood() -> list[tuple[int, str | None]]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> tuple[int, str | None]:
+                body = {"prompt": "x", "max_tokens": 100, "ignore_eos": True}
+                async with s.post(f"{sc.url}/v1/completions", json=body) as r:
+                    await r.read()
+                    return r.status, r.headers.get("Retry-After")
+
+            return await asyncio.gather(*(one() for _ in range(6)))
+
+    results = asyncio.run(flood())
+    assert sorted(s for s, _ in results).count(200) == 2
+    assert all(ra == "1" for s, ra in results if s == 429)
+    assert sum(1 for s, _ in results if s == 429) == 4
+    assert metric(sc, "disaggpool_rejected_requests_total", reason="overload") == 4
+
+
+@pytest.mark.parametrize("stop_role", ["prefill", "decode"])
+def test_health_reports_no_capacity(start_pool, start_sidecar, stop_role) -> None:
+    pool = start_pool([A40], [A40])
+    sc = start_sidecar(pool)
+    assert urllib.request.urlopen(f"{sc.url}/health").status == 200
+    pool.emulator("p0" if stop_role == "prefill" else "d0").stop()
+    sc.run(sc.running.collectors.scrape_once)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{sc.url}/health")
+    assert err.value.code == 503
+    status, body = post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 503 and body["error"]["code"] == 503

@@ -1,0 +1,118 @@
+"""The sidecar's config file: every documented field parses; bad input names file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disaggpool.errors import InputError
+from disaggpool.sidecar.config import load_config, parse_config
+
+BASE: dict[str, Any] = {
+    "model": "m",
+    "slo_classes": [
+        {"name": "a", "ttft_s": 1, "tpot_s": 0.1},
+        {"name": "b", "ttft_s": 5, "tpot_s": 1},
+    ],
+    "pool": {
+        "static": {
+            "prefill": [{"name": "p", "url": "http://h:1"}],
+            "decode": [{"name": "d", "url": "http://h:2/"}],
+        }
+    },
+}
+
+
+def test_full_config_parses(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(
+        """
+policy: least_loaded
+model: meta-llama/Meta-Llama-3-8B
+listen: {grpc: "0.0.0.0:50051", http: "127.0.0.1:0"}
+slo_classes:
+  - {name: interactive, ttft_s: 1.0, tpot_s: 0.05}
+  - {name: batch, ttft_s: 30, tpot_s: 0.5}
+default_slo_class: batch
+predictor: online
+scrape_interval_s: 0.5
+max_inflight: 64
+prefill_attempts: 3
+tokenizer: {kind: emulator}
+pool:
+  kubernetes: {namespace: ns, selector: "disaggpool.io/pool=x", port: 8000}
+profiles:
+  dir: profiles
+  kubernetes: {namespace: ns, selector: "disaggpool.io/pool=x,disaggpool.io/profile=true"}
+"""
+    )
+    cfg = load_config(path)
+    assert cfg.policy == "least_loaded" and cfg.max_inflight == 64 and cfg.prefill_attempts == 3
+    assert cfg.default_slo.name == "batch" and cfg.slo("interactive") is not None
+    assert cfg.slo("") is cfg.default_slo and cfg.slo("nope") is None
+    assert cfg.members_kubernetes is not None and cfg.members_kubernetes.namespace == "ns"
+    assert cfg.profiles_dir == str(tmp_path / "profiles")  # relative to the config file
+    assert cfg.tokenizer.kind == "emulator"
+
+
+def test_static_members_strip_trailing_slash() -> None:
+    cfg = parse_config(BASE)
+    assert [m.url for m in cfg.static_members] == ["http://h:1", "http://h:2"]
+    assert cfg.policy == "calibrated"
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"policy": "fastest"}, "policy"),
+        ({"policy": "uncalibrated"}, "policy"),
+        ({"model": ""}, "model"),
+        ({"slo_classes": []}, "slo_classes"),
+        ({"slo_classes": [{"name": "a", "ttft_s": -1, "tpot_s": 1}]}, "slo_classes[0].ttft_s"),
+        ({"default_slo_class": "zzz"}, "default_slo_class"),
+        ({"predictor": "psychic"}, "predictor"),
+        ({"listen": {"http": "nowhere"}}, "listen.http"),
+        ({"scrape_interval_s": 0}, "scrape_interval_s"),
+        ({"max_inflight": 0}, "max_inflight"),
+        ({"tokenizer": {"kind": "magic"}}, "tokenizer.kind"),
+        ({"tokenizer": {"kind": "huggingface"}}, "tokenizer.path"),
+        ({"pool": {}}, "pool"),
+        ({"pool": {"static": {"prefill": [], "decode": []}}}, "pool.static.prefill"),
+        (
+            {
+                "pool": {
+                    "static": {
+                        "prefill": [{"name": "p", "url": "ftp://x"}],
+                        "decode": [{"name": "d", "url": "http://x"}],
+                    }
+                }
+            },
+            "pool.static.prefill[0].url",
+        ),
+        (
+            {
+                "pool": {
+                    "static": {
+                        "prefill": [{"name": "p", "url": "http://x"}],
+                        "decode": [{"name": "p", "url": "http://y"}],
+                    }
+                }
+            },
+            "pool.static",
+        ),
+        ({"pool": {"kubernetes": {"namespace": "ns"}}}, "pool.kubernetes.selector"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_config_names_the_field(patch: dict[str, Any], field: str) -> None:
+    with pytest.raises(InputError) as err:
+        parse_config({**BASE, **patch}, "sidecar.yaml")
+    assert err.value.source == "sidecar.yaml"
+    assert err.value.field == field, str(err.value)
+
+
+def test_unreadable_file_is_an_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
