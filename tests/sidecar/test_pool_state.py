@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.sidecar.config import Member
-from disaggpool.sidecar.state import Gauges, InflightRecord, PoolState
+from disaggpool.sidecar.state import Gauges, InflightRecord, PoolState, _view
 
 SLO = SLOClass("c", 1.0, 0.1)
 MEMBERS = [
@@ -115,6 +115,8 @@ def test_any_interleaving_returns_to_zero(seq: list[tuple[str, int, int]]) -> No
         for inst in s.snapshot(0).decode + list(s.snapshot(0).prefill):
             assert inst.inflight >= 0 and inst.queued >= 0 and inst.queued_tokens >= 0
             assert inst.remaining_output_tokens >= -1e-6
+        for live in s.instances.values():  # a cached view is never stale
+            assert live.view is None or live.view == _view(live)
     for rid in list(s.records):
         s.finished(rid)
     assert zeroed(s)

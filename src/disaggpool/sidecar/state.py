@@ -61,6 +61,7 @@ class Instance:
     predicted_left: float = 0.0
     tokens_since_scrape: int = 0
     targets: dict[float, int] = dataclasses.field(default_factory=dict)
+    view: InstanceSnapshot | None = None  # cached snapshot; None after any change
 
     @property
     def name(self) -> str:
@@ -108,6 +109,7 @@ class PoolState:
                 if inst.member.url != member.url:  # a new pod behind the name: forget the old one
                     inst.gauges, inst.healthy, inst.failures = None, True, 0
                 inst.member, inst.removed = member, False
+                inst.view = None
         for name, inst in list(self.instances.items()):
             if name not in wanted and not inst.removed:
                 inst.removed = True
@@ -123,6 +125,7 @@ class PoolState:
         inst.gauges, inst.scraped_at = gauges, now
         inst.healthy, inst.failures = True, 0
         inst.tokens_since_scrape = 0
+        inst.view = None
 
     def unreachable(self, name: str, failures_to_unhealthy: int = 1) -> None:
         """A scrape or a request could not reach the pod."""
@@ -132,6 +135,7 @@ class PoolState:
         inst.failures += 1
         if inst.failures >= failures_to_unhealthy:
             inst.healthy = False
+            inst.view = None
 
     def set_profile(self, name: str, profile: CalibrationProfile | None, now: float) -> bool:
         """Install (or clear) a pod's profile; False when the pod is unknown."""
@@ -139,6 +143,7 @@ class PoolState:
         if inst is None:
             return False
         inst.profile, inst.profile_loaded_at = profile, now
+        inst.view = None
         return True
 
     # ---------------------------------------------------------------- request lifecycle
@@ -158,6 +163,7 @@ class PoolState:
         d.predicted_left += rec.predicted_output
         d.tokens_since_scrape += n
         d.targets[rec.slo.tpot_s] = d.targets.get(rec.slo.tpot_s, 0) + 1
+        p.view = d.view = None
 
     def prefilled(self, request_id: str) -> bool:
         rec = self.records.get(request_id)
@@ -183,6 +189,7 @@ class PoolState:
         step = max(0, generated - rec.generated)
         d.predicted_left -= min(step, max(0.0, rec.predicted_output - rec.generated))
         rec.generated = max(rec.generated, generated)
+        d.view = None
         return True
 
     def finished(self, request_id: str) -> InflightRecord | None:
@@ -207,6 +214,7 @@ class PoolState:
             d.targets[rec.slo.tpot_s] = left
         else:
             del d.targets[rec.slo.tpot_s]
+        d.view = None
         self._collect(d)
         return rec
 
@@ -224,6 +232,7 @@ class PoolState:
         p.queued_sq_tokens -= float(n) * n
         if p.inflight == 0:
             p.queued_sq_tokens = 0.0
+        p.view = None
         self._collect(p)
 
     def _collect(self, inst: Instance) -> None:
@@ -235,49 +244,52 @@ class PoolState:
         return [i for i in self.instances.values() if i.role == role and not i.removed]
 
     def snapshot(self, now: float) -> PoolSnapshot:
+        """The pool as the policies see it; unchanged pods reuse their cached view."""
         prefill: list[InstanceSnapshot] = []
         decode: list[InstanceSnapshot] = []
         for inst in self.instances.values():
             if inst.removed:
                 continue
-            g = inst.gauges
-            kv_used = 0
-            running = waiting = 0
-            if g is not None:
-                running, waiting = g.running, g.waiting
-                kv_used = int(g.kv_usage * g.kv_capacity_tokens)
-            kv_used += inst.tokens_since_scrape
-            if inst.role == "prefill":
-                prefill.append(
-                    InstanceSnapshot(
-                        name=inst.name,
-                        role="prefill",
-                        running=running,
-                        waiting=max(waiting, inst.queued),
-                        kv_tokens_used=kv_used,
-                        inflight=inst.inflight,
-                        queued=inst.queued,
-                        queued_tokens=inst.queued_tokens,
-                        queued_sq_tokens=inst.queued_sq_tokens,
-                        healthy=inst.healthy,
-                        profile=inst.profile,
-                    )
-                )
-            else:
-                decode.append(
-                    InstanceSnapshot(
-                        name=inst.name,
-                        role="decode",
-                        running=max(running, inst.decoding),
-                        waiting=max(waiting, inst.queued),
-                        kv_tokens_used=kv_used,
-                        inflight=inst.inflight,
-                        queued=inst.queued,
-                        queued_tokens=inst.queued_tokens,
-                        remaining_output_tokens=max(float(inst.decoding), inst.predicted_left),
-                        tpot_targets=tuple(sorted(inst.targets.items())),
-                        healthy=inst.healthy,
-                        profile=inst.profile,
-                    )
-                )
+            view = inst.view
+            if view is None:
+                view = inst.view = _view(inst)
+            (prefill if inst.role == "prefill" else decode).append(view)
         return PoolSnapshot(now=now, prefill=prefill, decode=decode)
+
+
+def _view(inst: Instance) -> InstanceSnapshot:
+    g = inst.gauges
+    kv_used = 0
+    running = waiting = 0
+    if g is not None:
+        running, waiting = g.running, g.waiting
+        kv_used = int(g.kv_usage * g.kv_capacity_tokens)
+    kv_used += inst.tokens_since_scrape
+    if inst.role == "prefill":
+        return InstanceSnapshot(
+            name=inst.name,
+            role="prefill",
+            running=running,
+            waiting=max(waiting, inst.queued),
+            kv_tokens_used=kv_used,
+            inflight=inst.inflight,
+            queued=inst.queued,
+            queued_tokens=inst.queued_tokens,
+            queued_sq_tokens=inst.queued_sq_tokens,
+            healthy=inst.healthy,
+            profile=inst.profile,
+        )
+    return InstanceSnapshot(
+        name=inst.name,
+        role="decode",
+        running=max(running, inst.decoding),
+        waiting=max(waiting, inst.queued),
+        kv_tokens_used=kv_used,
+        inflight=inst.inflight,
+        queued=inst.queued,
+        queued_tokens=inst.queued_tokens,
+        remaining_output_tokens=max(float(inst.decoding), inst.predicted_left),
+        tpot_targets=tuple(sorted(inst.targets.items())),
+        healthy=inst.healthy,
+        profile=inst.profile,
+    )

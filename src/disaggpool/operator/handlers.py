@@ -1,0 +1,163 @@
+"""Kopf wiring: which watch events trigger a reconcile of which pool.
+
+Every handler is a thin trigger: a DisaggPool event, or an event on one of its pods, profile
+ConfigMaps, calibration Jobs or Deployments, marks that pool dirty. One worker task per pool runs
+`reconcile.reconcile` until the pool is clean, so a burst of 16 pods turning Ready costs a couple
+of passes, not 16, and two passes of one pool never race. A periodic resync re-marks every pool
+(profiles go stale with time, not with events). Only watch-event handlers are used, so Kopf adds no
+finalizers: deleting a pool never waits for the operator, owner references clean up.
+
+Settings (environment): DISAGGPOOL_IMAGE (the image the router and probe Jobs run; the operator's
+own), DISAGGPOOL_RESYNC_SECONDS (default 60). Run with ``disaggpool operator`` (kopf run of this
+module; ``--all-namespaces`` by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from typing import Any
+
+import kopf
+
+from disaggpool.operator.kube import ApiError, Kube
+from disaggpool.operator.reconcile import reconcile
+from disaggpool.operator.render import GROUP, L_COMPONENT, L_POOL, L_PROFILE
+
+__all__ = ["DEFAULT_IMAGE", "Coalescer"]
+
+log = logging.getLogger("disaggpool.operator")
+
+DEFAULT_IMAGE = "ghcr.io/disaggpool/disaggpool:0.1.0"
+
+
+class Coalescer:
+    """Per-pool dirty flags, each drained by one worker task (see the module docstring)."""
+
+    def __init__(self, kube: Kube, image: str) -> None:
+        self.kube = kube
+        self.image = image
+        self._dirty: dict[tuple[str, str], bool] = {}
+        self._workers: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.passes = 0
+
+    def trigger(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self._dirty[key] = True
+        if key not in self._workers:
+            self._workers[key] = asyncio.create_task(self._work(key))
+
+    async def _work(self, key: tuple[str, str]) -> None:
+        backoff = 1.0
+        try:
+            while self._dirty.get(key):
+                self._dirty[key] = False
+                try:
+                    result = await reconcile(self.kube, *key, default_image=self.image)
+                    self.passes += 1
+                    backoff = 1.0
+                    if result.changed:
+                        log.info(
+                            "reconciled %s/%s: created %s updated %s deleted %s jobs %s",
+                            *key,
+                            result.created,
+                            result.updated,
+                            result.deleted,
+                            result.jobs_created,
+                        )
+                except (TimeoutError, ApiError, OSError) as exc:
+                    # Transient API trouble or a conflict: retry with jittered backoff, never crash.
+                    log.warning("reconcile %s/%s failed, retrying: %s", *key, exc)
+                    self._dirty[key] = True
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, 30.0)
+        finally:
+            del self._workers[key]
+
+    async def close(self) -> None:
+        for task in list(self._workers.values()):
+            task.cancel()
+        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        await self.kube.close()
+
+
+_state: dict[str, Any] = {}
+
+
+def _coalescer() -> Coalescer:
+    c: Coalescer = _state["coalescer"]
+    return c
+
+
+async def _resync(period: float) -> None:
+    while True:
+        await asyncio.sleep(period)
+        try:
+            items = await _coalescer().kube.list(f"/apis/{GROUP}/v1alpha1/disaggpools", {})
+        except (TimeoutError, ApiError, OSError) as exc:
+            log.warning("resync list failed: %s", exc)
+            continue
+        for item in items:
+            md = item.get("metadata") or {}
+            _coalescer().trigger(md.get("namespace", ""), md.get("name", ""))
+
+
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Kopf's progress bookkeeping is unused (watch-event handlers only); keep it off the status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.connect_timeout = 30
+    image = os.environ.get("DISAGGPOOL_IMAGE", DEFAULT_IMAGE)
+    _state["coalescer"] = Coalescer(Kube.from_environment(), image)
+    period = float(os.environ.get("DISAGGPOOL_RESYNC_SECONDS", "60"))
+    _state["resync"] = asyncio.create_task(_resync(period))
+
+
+@kopf.on.cleanup()
+async def _cleanup(**_: Any) -> None:
+    task = _state.pop("resync", None)
+    if task is not None:
+        task.cancel()
+    if "coalescer" in _state:
+        await _state.pop("coalescer").close()
+
+
+@kopf.on.event(GROUP, "v1alpha1", "disaggpools")
+async def _pool_event(
+    event: kopf.RawEvent, namespace: str | None, name: str | None, **_: Any
+) -> None:
+    if event["type"] != "DELETED" and namespace and name:
+        _coalescer().trigger(namespace, name)
+
+
+def _trigger_from_labels(namespace: str | None, labels: kopf.Labels) -> None:
+    pool = labels.get(L_POOL)
+    if namespace and pool:
+        _coalescer().trigger(namespace, pool)
+
+
+@kopf.on.event("v1", "pods", labels={L_POOL: kopf.PRESENT})
+async def _pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _trigger_from_labels(namespace, labels)
+
+
+@kopf.on.event("v1", "configmaps", labels={L_POOL: kopf.PRESENT, L_PROFILE: "true"})
+async def _profile_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _trigger_from_labels(namespace, labels)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={L_POOL: kopf.PRESENT, L_COMPONENT: "calibration"})
+async def _job_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _trigger_from_labels(namespace, labels)
+
+
+@kopf.on.event(
+    "apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": "disaggpool-operator"}
+)
+async def _deployment_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _trigger_from_labels(namespace, labels)

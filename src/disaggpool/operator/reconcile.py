@@ -1,0 +1,306 @@
+"""One reconcile pass of a pool: read the CR and the cluster, render, apply the difference.
+
+Level-triggered and idempotent: a pass compares hashes of the rendered objects with what the
+cluster holds and writes only what differs, so running it twice in a row writes nothing (the tests
+count requests to prove it). Every write leaves an Event on the pool. A spec that fails validation
+is reported as the `Degraded` condition plus a Warning event and is otherwise ignored: the objects
+rendered from the last valid spec (remembered in an annotation on the pool) keep running and keep
+being calibrated. Calls `render` (pure) and `kube` (I/O); handlers decides when to call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from disaggpool.operator import render
+from disaggpool.operator.kube import ApiError, Kube, path_for
+from disaggpool.operator.render import (
+    API_VERSION,
+    GROUP,
+    HASH_ANNOTATION,
+    L_COMPONENT,
+    L_POOL,
+    L_PROFILE,
+    PoolRef,
+)
+from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
+
+__all__ = ["APPLIED_SPEC_ANNOTATION", "ReconcileResult", "pool_path", "reconcile"]
+
+log = logging.getLogger("disaggpool.operator")
+
+APPLIED_SPEC_ANNOTATION = f"{GROUP}/applied-spec"
+_MANAGED = {"app.kubernetes.io/managed-by": "disaggpool-operator"}
+# Kinds a pool consists of, for pruning what a spec change no longer renders.
+_PRUNABLE = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+)
+# Merge patches never remove keys; these optional pod-template fields must be cleared explicitly
+# when the spec drops them (lists such as containers or env are replaced wholesale anyway).
+_CLEARABLE_POD_FIELDS = ("nodeSelector", "tolerations", "affinity")
+_WAVES = {"RoleBinding": 1, "Deployment": 2}
+
+
+def pool_path(namespace: str, name: str | None = None) -> str:
+    return path_for(API_VERSION, "DisaggPool", namespace, name)
+
+
+@dataclasses.dataclass(slots=True)
+class ReconcileResult:
+    """What a pass did (the tests and the benchmark read it)."""
+
+    created: list[str] = dataclasses.field(default_factory=list)
+    updated: list[str] = dataclasses.field(default_factory=list)
+    deleted: list[str] = dataclasses.field(default_factory=list)
+    jobs_created: list[str] = dataclasses.field(default_factory=list)
+    status_written: bool = False
+    issues: list[SpecIssue] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(
+            self.created or self.updated or self.deleted or self.jobs_created or self.status_written
+        )
+
+
+def _ident(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']} {obj['metadata']['name']}"
+
+
+def _update_patch(desired: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    patch: dict[str, Any] = json.loads(json.dumps(desired))
+    if desired.get("kind") == "Deployment":
+        cur = ((current.get("spec") or {}).get("template") or {}).get("spec") or {}
+        new = patch["spec"]["template"]["spec"]
+        for key in _CLEARABLE_POD_FIELDS:
+            if key in cur and key not in new:
+                new[key] = None
+    return patch
+
+
+async def _apply(kube: Kube, obj: Mapping[str, Any]) -> str:
+    """Create, patch or leave one object; returns "created", "updated" or ""."""
+    md = obj["metadata"]
+    path = path_for(obj["apiVersion"], obj["kind"], md["namespace"], md["name"])
+    current = await kube.get(path)
+    if current is None:
+        try:
+            await kube.create(path_for(obj["apiVersion"], obj["kind"], md["namespace"]), obj)
+        except ApiError as exc:
+            if exc.status != 409:  # created concurrently: the next pass compares hashes
+                raise
+            return ""
+        return "created"
+    have = ((current.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+    if have == md["annotations"][HASH_ANNOTATION]:
+        return ""
+    await kube.merge_patch(path, _update_patch(obj, current))
+    return "updated"
+
+
+def _status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    patch = {k: v for k, v in new.items() if old.get(k) != v}
+    for key in old:
+        if key not in new and key != "kopf":
+            patch[key] = None
+    return patch
+
+
+async def reconcile(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    default_image: str,
+    now: dt.datetime | None = None,
+) -> ReconcileResult:
+    """Bring pool `namespace/name` to its spec; a no-op when it is gone or already there."""
+    result = ReconcileResult()
+    cr = await kube.get(pool_path(namespace, name))
+    if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
+        return result  # deletion is the garbage collector's job (owner references)
+    now = now or dt.datetime.now(dt.UTC)
+    md = cr["metadata"]
+    pool = PoolRef(name, namespace, str(md.get("uid", "")), int(md.get("generation") or 1))
+    annotations = md.get("annotations") or {}
+    previous: Mapping[str, Any] = cr.get("status") or {}
+
+    issues = check_pool_name(name)
+    spec, spec_issues = parse_spec(cr.get("spec"), default_image)
+    issues += spec_issues
+    result.issues = issues
+    effective: PoolSpec | None = None if issues else spec
+    applied_raw = annotations.get(APPLIED_SPEC_ANNOTATION)
+    if issues and applied_raw:
+        try:
+            effective, _ = parse_spec(json.loads(applied_raw), default_image)
+        except json.JSONDecodeError:
+            effective = None
+
+    async def note(reason: str, message: str, warning: bool = False) -> None:
+        try:
+            await kube.event(cr, reason, message, warning=warning)
+        except ApiError as exc:  # an event is a courtesy; never fail a reconcile over one
+            log.warning("event %s on %s/%s not recorded: %s", reason, namespace, name, exc)
+
+    applied_generation = previous.get("appliedGeneration")
+    if issues:
+        message = "; ".join(str(i) for i in issues)
+        conds: list[Mapping[str, Any]] = list(previous.get("conditions") or [])
+        old: Mapping[str, Any] = next((c for c in conds if c.get("type") == "Degraded"), {})
+        if old.get("reason") != "InvalidSpec" or not str(old.get("message", "")).startswith(
+            message
+        ):
+            await note("InvalidSpec", message, warning=True)
+    elif spec is not None:
+        desired = render.render_pool(pool, spec)
+        outcomes = {}
+        # In waves: a RoleBinding is refused (404) until its Role exists, and pods should not
+        # start before their ServiceAccount and config exist. Within a wave, in parallel.
+        for wave in (0, 1, 2):
+            batch = [o for o in desired if _WAVES.get(o["kind"], 0) == wave]
+            done = await asyncio.gather(*(_apply(kube, o) for o in batch))
+            outcomes.update({_ident(o): r for o, r in zip(batch, done, strict=True)})
+        for obj in desired:
+            outcome = outcomes[_ident(obj)]
+            if outcome == "created":
+                result.created.append(_ident(obj))
+            elif outcome == "updated":
+                result.updated.append(_ident(obj))
+        result.deleted += await _prune(kube, pool, {_ident(o) for o in desired})
+        for verb, idents in (
+            ("Created", result.created),
+            ("Updated", result.updated),
+            ("Deleted", result.deleted),
+        ):
+            if idents:
+                await note(verb, f"{verb.lower()} {', '.join(sorted(idents))}")
+        raw = json.dumps(cr.get("spec"), sort_keys=True, separators=(",", ":"))
+        if applied_raw != raw:
+            await kube.merge_patch(
+                pool_path(namespace, name),
+                {"metadata": {"annotations": {APPLIED_SPEC_ANNOTATION: raw}}},
+            )
+        applied_generation = pool.generation
+
+    pods_raw, cms_raw, jobs_raw = await asyncio.gather(
+        kube.list(path_for("v1", "Pod", namespace), {L_POOL: name}),
+        kube.list(path_for("v1", "ConfigMap", namespace), {L_POOL: name, L_PROFILE: "true"}),
+        kube.list(
+            path_for("batch/v1", "Job", namespace), {L_POOL: name, L_COMPONENT: "calibration"}
+        ),
+    )
+    pods = [v for v in map(render.pod_view, pods_raw) if v is not None]
+    router_ready = sum(
+        1
+        for p in pods_raw
+        if ((p.get("metadata") or {}).get("labels") or {}).get(L_COMPONENT) == "router"
+        and any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (p.get("status") or {}).get("conditions") or []
+        )
+    )
+    plan = None
+    if effective is not None:
+        plan = render.plan_calibration(
+            pool,
+            effective,
+            pods,
+            [render.profile_view(c) for c in cms_raw],
+            [j for j in map(render.job_view, jobs_raw) if j is not None],
+            now,
+        )
+        await _execute(kube, pool, plan, result, note, previous)
+
+    status = render.compute_status(
+        pool, effective, issues, applied_generation, pods, plan, router_ready, previous, now
+    )
+    patch = _status_patch(previous, status)
+    if patch:
+        await kube.merge_patch(pool_path(namespace, name) + "/status", {"status": patch})
+        result.status_written = True
+    return result
+
+
+async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:
+    """Delete objects of this pool that the current spec no longer renders."""
+    selector = {L_POOL: pool.name, **_MANAGED}
+    found = await asyncio.gather(
+        *(kube.list(path_for(v, k, pool.namespace), selector) for v, k in _PRUNABLE)
+    )
+    gone = []
+    for (version, kind), items in zip(_PRUNABLE, found, strict=True):
+        for item in items:
+            md = item.get("metadata") or {}
+            owners = {o.get("uid") for o in md.get("ownerReferences") or []}
+            ident = f"{kind} {md.get('name')}"
+            if pool.uid in owners and ident not in keep:
+                await kube.delete(path_for(version, kind, pool.namespace, str(md.get("name"))))
+                gone.append(ident)
+    return gone
+
+
+async def _execute(
+    kube: Kube,
+    pool: PoolRef,
+    plan: render.CalibrationPlan,
+    result: ReconcileResult,
+    note: Any,
+    previous: Mapping[str, Any],
+) -> None:
+    ns = pool.namespace
+    for job in plan.create_jobs:
+        try:
+            await kube.create(path_for("batch/v1", "Job", ns), job)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            continue
+        result.jobs_created.append(job["metadata"]["name"])
+        pod = job["metadata"]["labels"][render.L_POD]
+        await note("CalibrationStarted", f"probing pod {pod} with Job {job['metadata']['name']}")
+    for name in plan.delete_jobs:
+        if await kube.delete(path_for("batch/v1", "Job", ns, name)):
+            result.deleted.append(f"Job {name}")
+    for name in plan.delete_configmaps:
+        if await kube.delete(path_for("v1", "ConfigMap", ns, name)):
+            result.deleted.append(f"ConfigMap {name}")
+            await note("ProfileDeleted", f"deleted profile {name}: its pod is gone")
+    for name in plan.adopt_configmaps:
+        # The probe writes the ConfigMap without an owner; adopting it lets the pool's deletion
+        # garbage-collect it.
+        owner = {
+            "apiVersion": API_VERSION,
+            "kind": render.KIND,
+            "name": pool.name,
+            "uid": pool.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        await kube.merge_patch(
+            path_for("v1", "ConfigMap", ns, name), {"metadata": {"ownerReferences": [owner]}}
+        )
+        result.updated.append(f"ConfigMap {name}")
+    before = {
+        p.get("name"): p.get("calibration") for p in previous.get("pods") or [] if p.get("name")
+    }
+    for c in plan.pods:
+        if c.state in ("calibrated", "failed", "poor") and before.get(c.pod.name) != c.state:
+            p = c.profile.profile if c.profile else None
+            detail = f"quality {p.quality}, fitted {p.fitted_at}" if p else c.reason
+            await note(
+                "Calibrated" if c.state == "calibrated" else "CalibrationFailed",
+                f"pod {c.pod.name}: {detail}",
+                warning=c.state != "calibrated",
+            )

@@ -1,0 +1,213 @@
+"""Pure rendering and planning: golden files for the samples, and the calibration decisions.
+
+Regenerate the goldens after an intended change, then review the diff:
+``DISAGGPOOL_REGEN_GOLDEN=1 .venv/bin/pytest tests/operator/test_render_golden.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_testkit import MANIFESTS
+
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.formats.profiles import dump_profile
+from disaggpool.operator.render import (
+    JobView,
+    PodView,
+    PoolRef,
+    ProfileView,
+    compute_status,
+    plan_calibration,
+    profile_view,
+    render_calibration_job,
+    render_pool,
+)
+from disaggpool.operator.spec import PoolSpec, parse_spec
+
+GOLDEN = Path(__file__).parent / "golden"
+REGEN = os.environ.get("DISAGGPOOL_REGEN_GOLDEN") == "1"
+NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+
+
+def _spec(sample: str, **overrides: Any) -> tuple[PoolRef, PoolSpec]:
+    doc = yaml.safe_load((MANIFESTS / "samples" / sample).read_text())
+    for path, value in overrides.items():
+        node = doc["spec"]
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    spec, issues = parse_spec(doc["spec"], "ghcr.io/disaggpool/disaggpool:0.1.0")
+    assert spec is not None, issues
+    return PoolRef(
+        doc["metadata"]["name"], "serving", "11111111-2222-3333-4444-555555555555", 3
+    ), spec
+
+
+def _check_golden(name: str, docs: Any) -> None:
+    text = (
+        yaml.safe_dump_all(docs, sort_keys=False)
+        if isinstance(docs, list)
+        else yaml.safe_dump(docs, sort_keys=False)
+    )
+    path = GOLDEN / name
+    if REGEN:
+        path.write_text(text)
+    assert path.exists(), f"no golden {name}: run with DISAGGPOOL_REGEN_GOLDEN=1"
+    assert text == path.read_text(), f"{name} differs from its golden (DISAGGPOOL_REGEN_GOLDEN=1)"
+
+
+@pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
+def test_render_pool_matches_golden(sample: str) -> None:
+    pool, spec = _spec(sample)
+    docs = render_pool(pool, spec)
+    assert render_pool(pool, spec) == docs  # pure: same input, same output
+    _check_golden(f"pool-{sample}", docs)
+
+
+def test_calibration_job_and_status_match_golden() -> None:
+    pool, spec = _spec("small.yaml")
+    pods = [
+        PodView("small-prefill-a", "prefill", "10.0.0.1", True),
+        PodView("small-decode-b", "decode", "10.0.0.2", True),
+    ]
+    profile = dataclasses.replace(
+        builtin_profile("a40-llama3-8b"), quality="good", fitted_at="2026-01-02T00:00:00Z"
+    )
+    cm = {
+        "metadata": {
+            "name": "small-profile-small-prefill-a",
+            "labels": {"disaggpool.io/pod": "small-prefill-a"},
+            "ownerReferences": [{"uid": pool.uid}],
+        },
+        "data": {"profile.yaml": dump_profile(profile)},
+    }
+    plan = plan_calibration(pool, spec, pods, [profile_view(cm)], [], NOW)
+    states = {c.pod.name: c.state for c in plan.pods}
+    assert states == {"small-prefill-a": "calibrated", "small-decode-b": "probing"}
+    assert len(plan.create_jobs) == 1
+    job = plan.create_jobs[0]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--peer") + 1] == "http://10.0.0.1:8000"
+    status = compute_status(pool, spec, [], 3, pods, plan, 1, {}, NOW)
+    assert status["phase"] == "Calibrating" and status["calibratedPods"] == 1
+    again = compute_status(pool, spec, [], 3, pods, plan, 1, status, NOW + dt.timedelta(hours=1))
+    assert again == status  # unchanged world, identical status (lastTransitionTime kept)
+    _check_golden("calibration-job.yaml", job)
+    _check_golden("status.yaml", status)
+
+
+def _pv(name: str, quality: str = "good", fitted: str = "2026-01-02T00:00:00Z") -> ProfileView:
+    p = dataclasses.replace(builtin_profile("a40-llama3-8b"), quality=quality, fitted_at=fitted)
+    return ProfileView(f"small-profile-{name}", name, p)
+
+
+def test_stale_poor_and_failed_profiles_are_reprobed_up_to_max_attempts() -> None:
+    pool, spec = _spec("small.yaml", calibration__maxAgeSeconds=3600, calibration__maxAttempts=2)
+    pod = PodView("d", "decode", "10.0.0.2", True)
+    peer = PodView("p", "prefill", "10.0.0.1", True)
+    fresh = _pv("p", fitted="2026-01-02T03:00:00Z")
+    # Stale: fitted a day before NOW -> a new attempt after the last (succeeded) one.
+    plan = plan_calibration(
+        pool, spec, [pod, peer], [_pv("d", fitted="2026-01-01T00:00:00Z"), fresh],
+        [JobView("j1", "d", 1, "succeeded")], NOW,
+    )  # fmt: skip
+    assert [j["metadata"]["labels"]["disaggpool.io/attempt"] for j in plan.create_jobs] == ["2"]
+    # Poor with one failure: retry; with two failures in a row: give up (Degraded).
+    poor = _pv("d", quality="poor")
+    plan = plan_calibration(
+        pool, spec, [pod, peer], [poor, fresh], [JobView("j1", "d", 1, "failed")], NOW
+    )
+    assert len(plan.create_jobs) == 1
+    jobs = [JobView("j1", "d", 1, "failed"), JobView("j2", "d", 2, "failed")]
+    plan = plan_calibration(pool, spec, [pod, peer], [poor, fresh], jobs, NOW)
+    assert not plan.create_jobs and plan.pods[0].state == "failed"
+    status = compute_status(pool, spec, [], 3, [pod, peer], plan, 1, {}, NOW)
+    assert status["phase"] == "Degraded"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "CalibrationFailed"
+    # An active probe is waited for, not duplicated.
+    plan = plan_calibration(
+        pool, spec, [pod, peer], [fresh], [JobView("j3", "d", 3, "active")], NOW
+    )
+    assert not plan.create_jobs and plan.pods[0].state == "probing"
+
+
+def test_deleted_pods_lose_their_profiles_and_jobs_and_unready_pods_wait() -> None:
+    pool, spec = _spec("small.yaml")
+    pending = PodView("p", "prefill", "", False)
+    plan = plan_calibration(
+        pool, spec, [pending], [_pv("gone"), _pv("p")], [JobView("jg", "gone", 1, "active")], NOW
+    )
+    assert plan.delete_configmaps == ["small-profile-gone"]
+    assert plan.delete_jobs == ["jg"]
+    assert not plan.create_jobs  # the surviving pod is not Ready
+    # Calibration off: no Jobs at all.
+    pool, spec = _spec("small.yaml", calibration__enabled=False)
+    plan = plan_calibration(pool, spec, [PodView("p", "prefill", "1.2.3.4", True)], [], [], NOW)
+    assert not plan.create_jobs and plan.pods[0].state == "disabled"
+    assert not [o for o in render_pool(pool, spec) if o["metadata"]["name"].endswith("-probe")]
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"decode": {"replicas": 5, "maxReplicas": 2}}, "decode.replicas"),
+        ({"router": {"defaultSloClass": "nope"}}, "router.defaultSloClass"),
+        ({"router": {"predictor": "psychic"}}, "router.predictor"),
+        ({"engine": {"image": "x", "extraArgs": ["--port=9000"]}}, "engine.extraArgs"),
+        ({"prefill": {"minReplicas": 1}}, "prefill.minReplicas"),
+        ({"decode": {"variants": [{"name": "a"}, {"name": "a"}]}}, "decode.variants[1].name"),
+        ({"kvTransfer": {"sideChannelPort": 8000}}, "kvTransfer.sideChannelPort"),
+        ({"model": {"name": ""}}, "model.name"),
+    ],
+)
+def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None:
+    doc = yaml.safe_load((MANIFESTS / "samples" / "small.yaml").read_text())["spec"]
+    for key, value in patch.items():
+        doc.setdefault(key, {}).update(value)
+    spec, issues = parse_spec(doc, "img")
+    assert spec is None
+    assert field in [i.field for i in issues], issues
+
+
+def test_render_job_for_prefill_has_no_peer() -> None:
+    pool, spec = _spec("heterogeneous.yaml")
+    job = render_calibration_job(
+        pool, spec, PodView("x", "prefill", "1.1.1.1", True, gpu_type="H100"), "2.2.2.2", 1
+    )
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peer" not in args and args[args.index("--gpu") + 1] == "H100"
+    assert len(job["metadata"]["name"]) <= 63
+
+
+def test_configmap_labels_flag_parses_and_names_bad_items() -> None:
+    from disaggpool import cli
+    from disaggpool.errors import InputError
+
+    assert cli._labels("a=1,b/c=x") == {"a": "1", "b/c": "x"}
+    assert cli._labels(None) is None
+    with pytest.raises(InputError, match="nolabel"):
+        cli._labels("a=1,nolabel")
+    args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b"])
+    assert args.namespace == ["a", "b"] and args.func is cli.cmd_operator
+
+
+@pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
+def test_rendered_router_config_is_accepted_by_the_sidecar(sample: str) -> None:
+    """The contract with the sidecar: its own parser reads what the operator renders."""
+    config = pytest.importorskip("disaggpool.sidecar.config")
+    from disaggpool.operator.render import render_router_config
+
+    pool, spec = _spec(sample)
+    cfg = config.parse_config(yaml.safe_load(render_router_config(pool, spec)), "sidecar.yaml")
+    assert cfg.policy == spec.router.policy
+    assert cfg.members_kubernetes.selector == f"disaggpool.io/pool={pool.name}"
+    assert cfg.profiles_kubernetes.namespace == pool.namespace
