@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -94,3 +95,23 @@ def test_non_negative_coefficients() -> None:
         fit.DecodeSample(b, 1000 * b, 0.03 + 1e-7 * 1000 * b - 1e-5 * b) for b in range(1, 20)
     ]
     assert min(fit.fit_decode(samples).coef) >= 0.0
+
+
+def test_an_uncertain_transfer_rate_is_a_caveat_not_a_poor_fit() -> None:
+    rng = random.Random(5)
+    dec = fit.fit_decode(decode_samples(A40, rng))
+    samples = [
+        fit.TransferSample(n, A40.kv_transfer.time(n) + A40.decode.step(1, n))
+        for n in [64, 256, 1024, 2048] * 3
+    ]
+    xfer = fit.fit_transfer(samples, dec)
+    k0, rate = xfer.coef
+    wide = dataclasses.replace(xfer, ci_low=(k0, 0.0), ci_high=(k0, 5 * rate), holdout_mape=0.02)
+    quality, reason = fit.verdict([dec, wide])
+    assert quality == "fair" and "s_per_token poorly determined" in reason
+    # The same uncertainty on the decode step's fixed cost makes the fit untrustworthy.
+    d0 = dec.coef[0]
+    lo, hi = list(dec.ci_low), list(dec.ci_high)
+    lo[0], hi[0] = 0.0, 5 * d0
+    quality, reason = fit.verdict([dataclasses.replace(dec, ci_low=tuple(lo), ci_high=tuple(hi))])
+    assert quality == "poor" and "d0 poorly determined" in reason

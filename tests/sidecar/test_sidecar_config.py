@@ -73,6 +73,7 @@ def test_static_members_strip_trailing_slash() -> None:
         ({"slo_classes": [{"name": "a", "ttft_s": -1, "tpot_s": 1}]}, "slo_classes[0].ttft_s"),
         ({"default_slo_class": "zzz"}, "default_slo_class"),
         ({"predictor": "psychic"}, "predictor"),
+        ({"predictor": "oracle"}, "predictor"),
         ({"listen": {"http": "nowhere"}}, "listen.http"),
         ({"scrape_interval_s": 0}, "scrape_interval_s"),
         ({"max_inflight": 0}, "max_inflight"),

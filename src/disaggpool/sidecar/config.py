@@ -142,6 +142,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         make_predictor(predictor)
     except (InputError, ValueError) as exc:
         raise rd.fail("predictor", str(exc)) from None
+    if predictor.strip().lower() != "online":  # oracles need the true output: simulator only
+        raise rd.fail("predictor", f"{predictor!r} needs the true output; use online")
     listen = rd.mapping(top.get("listen", {}), "listen")
     rd.known(listen, "listen", {"grpc", "http"})
     kwargs: dict[str, Any] = {}

@@ -1,0 +1,96 @@
+"""Membership from a file (re-read when it changes), the documented no-profile fallback, and
+exact prompt lengths from a `tokenizer.json`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from sidecar_testkit import A40, MODEL
+
+from disaggpool.sidecar.config import TokenizerConfig
+from disaggpool.sidecar.state import PoolState
+from disaggpool.sidecar.tokens import PromptCounter
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _metrics(url: str) -> str:
+    return urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+
+
+def test_members_file_is_reread_when_it_changes(start_pool, start_sidecar, tmp_path) -> None:
+    pool = start_pool([A40], [A40, A40])
+    members = tmp_path / "pool.yaml"
+    first = {"prefill": pool.urls("prefill"), "decode": pool.urls("decode")[:1]}
+    members.write_text(yaml.safe_dump(first))
+    sc = start_sidecar(pool, pool={"file": str(members)}, scrape_interval_s=0.1)
+
+    def names() -> set[str]:
+        return sc.call(lambda: {i.name for i in sc.running.service.state.members("decode")})
+
+    deadline = time.monotonic() + 10
+    while names() != {"d0"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert names() == {"d0"}
+    members.write_text(yaml.safe_dump({**first, "decode": pool.urls("decode")}))
+    while names() != {"d0", "d1"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert names() == {"d0", "d1"}
+    members.write_text("decode: [not, a, pool")  # broken: the last good membership stays
+    time.sleep(0.5)
+    assert names() == {"d0", "d1"}
+    assert _post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})["usage"]
+
+
+def test_pods_without_a_trusted_profile_use_the_documented_fallback(
+    start_pool, start_sidecar, caplog
+) -> None:
+    pool = start_pool([A40], [A40, A40], write_profiles=False)
+    sc = start_sidecar(pool)
+    with caplog.at_level("WARNING", logger="disaggpool.sidecar"):
+        for i in range(3):
+            _post(f"{sc.url}/v1/completions", {"prompt": f"x {i}", "max_tokens": 2})
+    text = _metrics(sc.url)
+    assert 'disaggpool_route_fallbacks_total{reason="no-profile"} 3.0' in text
+    assert 'disaggpool_profile_trusted{pod="d0"} 0.0' in text
+    assert 'policy="calibrated(no-profile)"' in text
+    warned = [
+        r.getMessage() for r in caplog.records if "no trusted calibration profile" in r.getMessage()
+    ]
+    assert len(warned) == len(set(warned)) >= 1  # said once per pod, not once per request
+
+
+def test_huggingface_tokenizer_json_counts_exactly(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        ["alpha beta gamma delta", "beta gamma"],
+        trainers.WordLevelTrainer(special_tokens=["[UNK]"]),
+    )
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+
+    async def count(text: str) -> int:
+        async with aiohttp.ClientSession() as session:
+            counter = PromptCounter(
+                TokenizerConfig("huggingface", str(path)), PoolState(), MODEL, session
+            )
+            return await counter.completion(text)
+
+    assert asyncio.run(count("alpha beta, gamma")) == len(tok.encode("alpha beta, gamma").ids) == 4
