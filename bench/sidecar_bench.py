@@ -45,6 +45,7 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.formats.profiles import save_profile
+from disaggpool.pdwire import prefill_leg_params
 from disaggpool.router.v1 import router_pb2 as pb
 from disaggpool.router.v1 import router_pb2_grpc as pb_grpc
 from disaggpool.sidecar.config import parse_config
@@ -323,14 +324,7 @@ def bench_frontdoor(quick: bool) -> list[dict[str, Any]]:
             "eleven twelve thirteen fourteen fifteen",
             "max_tokens": 2,
         }
-        nulls = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        nulls = prefill_leg_params()
 
         async def direct(session: aiohttp.ClientSession, i: int) -> None:
             hdr = {"X-Request-Id": f"direct-{i}"}

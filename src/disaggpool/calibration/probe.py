@@ -34,6 +34,7 @@ import aiohttp
 
 from disaggpool.calibration import fit
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
+from disaggpool.pdwire import prefill_leg_params
 
 __all__ = ["ProbeConfig", "ProbeError", "ProbeResult", "run_probe"]
 
@@ -174,14 +175,7 @@ class _Client:
             "prompt": prompt,
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
+            "kv_transfer_params": prefill_leg_params(),
         }
         async with self.session.post(
             f"{pod.url}/v1/completions", json=body, headers={"X-Request-Id": request_id}

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from disaggpool.pdwire import prefill_leg_params
 from disaggpool.sidecar.service import (
     BadRequest,
     Duplicate,
@@ -62,14 +63,6 @@ _TYPES = {
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
-}
-_PREFILL_NULLS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 
 
@@ -277,7 +270,7 @@ class FrontDoor:
     async def _prefill(
         self, request: web.Request, endpoint: str, body: dict[str, Any], routed: Routed
     ) -> tuple[Any, Routed]:
-        leg = {**body, "kv_transfer_params": dict(_PREFILL_NULLS), "stream": False, "max_tokens": 1}
+        leg = {**body, "kv_transfer_params": prefill_leg_params(), "stream": False, "max_tokens": 1}
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens", "min_completion_tokens"):

@@ -45,7 +45,7 @@ class PromptCounter:
         self._hf: Any = None
         if config.kind == "huggingface":
             try:
-                from tokenizers import Tokenizer as HFTokenizer  # type: ignore[import-not-found]
+                from tokenizers import Tokenizer as HFTokenizer
             except ImportError as exc:
                 raise TokenizeError(
                     "tokenizer.kind huggingface needs the 'tokenizers' package"
