@@ -3,7 +3,7 @@
 Runs `disaggpool calibrate`'s probe on the session's plain engine and records the fitted
 constants with their held-out error (printed, and written to `probe_real_vllm.json` in
 DISAGGPOOL_REAL_VLLM_LOG_DIR when set). What must hold on any machine: the probe finishes within
-its budget, finds real prompt-length and batch effects (p1 > 0, d0 > 0), reads the engine's KV
+its budget, finds real prompt-length and batch effects, reads the engine's KV
 capacity from `vllm:cache_config_info`, and reports a finite held-out error with its verdict.
 """
 
@@ -51,7 +51,10 @@ def test_probe_fits_a_real_engine(single_engine: Any) -> None:
         out = Path(os.environ["DISAGGPOOL_REAL_VLLM_LOG_DIR"]) / "probe_real_vllm.json"
         out.write_text(json.dumps({**summary, "report": result.report}, indent=1, default=str))
     assert elapsed < BUDGET_S * 1.5
-    assert p.prefill.p1 > 0 and p.decode.d0 > 0
+    # Real prompt-length and batch effects; which prefill term carries the length (p1 or p2)
+    # varies between runs when three engines share two cores, so only the shape is asserted.
+    assert p.prefill.prompt_time(2000) > p.prefill.prompt_time(100)
+    assert p.decode.step(64, 64 * 500) > p.decode.step(1, 500) > 0
     assert p.kv_capacity_tokens > 0 and p.block_size > 0
     assert p.quality in ("good", "fair", "poor") and p.notes
     assert p.ttft_mape is not None and math.isfinite(p.ttft_mape) and p.ttft_mape < 1.0

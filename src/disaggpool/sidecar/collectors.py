@@ -80,6 +80,14 @@ def profiles_from_configmaps(
     return out
 
 
+def _profile_file(folder: Path, pod: str) -> Path | None:
+    for ext in (".yaml", ".yml", ".json"):
+        path = folder / f"{pod}{ext}"
+        if path.is_file():
+            return path
+    return None
+
+
 class Collectors:
     """Starts and stops every background task of one sidecar."""
 
@@ -179,10 +187,7 @@ class Collectors:
         while True:
             now = self.service.clock()
             for name in list(self.state.instances):
-                path = next(
-                    (p for ext in (".yaml", ".yml", ".json") if (p := folder / f"{name}{ext}")
-                     .is_file()), None,
-                )  # fmt: skip
+                path = _profile_file(folder, name)
                 if path is None:
                     continue
                 try:
@@ -198,8 +203,9 @@ class Collectors:
                     continue
                 self.state.set_profile(name, profile, now)
                 self.service.profile_changed(name)
-                log.info("pod %s: profile %s (%s) from %s", name, profile.name,
-                         profile.quality, path)  # fmt: skip
+                log.info(
+                    "pod %s: profile %s (%s) from %s", name, profile.name, profile.quality, path
+                )
             await asyncio.sleep(self.config.scrape_interval_s)
 
     # ------------------------------------------------------------------ scraping and expiry

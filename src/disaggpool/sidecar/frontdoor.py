@@ -33,7 +33,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -78,10 +77,6 @@ def openai_error(
         }
     }
     return web.json_response(body, status=status, headers=headers)
-
-
-class _ClientGone(Exception):
-    """The client closed its connection."""
 
 
 class _UpstreamFailed(Exception):
@@ -144,18 +139,13 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("completions", request, self._generate)
+        return await self._counted("completions", request)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._counted("chat", request, self._generate)
+        return await self._counted("chat", request)
 
-    async def _counted(
-        self,
-        endpoint: str,
-        request: web.Request,
-        handler: Callable[[str, web.Request], Awaitable[web.StreamResponse]],
-    ) -> web.StreamResponse:
-        resp = await handler(endpoint, request)
+    async def _counted(self, endpoint: str, request: web.Request) -> web.StreamResponse:
+        resp = await self._generate(endpoint, request)
         self.metrics.frontdoor.labels(endpoint, str(resp.status)).inc()
         return resp
 
