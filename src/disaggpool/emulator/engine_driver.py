@@ -3,13 +3,10 @@
 The simulator's event loop and this driver share one contract with the engines: call
 ``engine.advance(t)`` at ``engine.next_wakeup()``, and after every enqueue ask again. Here the
 "event heap" is one `loop.call_at` timer per engine, re-armed after every change. Timers fire late
-by up to the loop's resolution (about 1 ms, as epoll sleeps in whole milliseconds; measured: a
-median of 1.1 ms late), so the driver never advances an engine to the wall clock: it replays every
-due wake-up at its exact model time, in order, and only then enqueues at "now". The engine
-therefore sees the same sequence of calls the simulator would make. To deliver on time as well,
-the timer is armed `EARLY` seconds before the wake-up and the rest is slept precisely (blocking
-the loop for at most that long): a millisecond late on every step and transfer would read as a
-millisecond of fixed cost to a calibration probe.
+by up to the loop's resolution (about 1 ms, as epoll sleeps in milliseconds), so the driver never
+advances an engine to the wall clock: it replays every due wake-up at its exact model time, in
+order, and only then enqueues at "now". The engine therefore sees the same sequence of calls the
+simulator would make, and timing differs from the model only by delivery latency.
 
 The decode engine is advanced analytically and wakes only on events; a streaming client needs
 every token, so the decode driver also wakes at every step boundary while a batch is running
@@ -28,7 +25,6 @@ import asyncio
 import heapq
 import logging
 import random
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -51,8 +47,6 @@ log = logging.getLogger(__name__)
 # Wake-ups replayed in one go before the driver yields to the loop. Far above any real burst (one
 # per step boundary, transfer or completion); only an engine bug that stops making progress hits it.
 _MAX_REPLAY = 100_000
-#: How long before a wake-up its timer fires; the remainder is slept precisely (see docstring).
-EARLY = 0.0015
 
 
 class EmulatedPrefillEngine(PrefillEngine):
@@ -187,15 +181,12 @@ class _Driver:
             return
         if self._handle is not None:
             self._handle.cancel()
-        self._handle = None if t is None else self._loop.call_at(t - EARLY, self._fire, t)
+        self._handle = None if t is None else self._loop.call_at(t, self._fire, t)
         self._armed_for = t
 
     def _fire(self, t: float) -> None:
         self._handle = None
         self._armed_for = None
-        early = t - self._loop.time()
-        if early > 0:
-            time.sleep(min(early, EARLY))  # the loop's clock is time.monotonic
         try:
             # A timer never fires early by more than the clock's resolution; act at its time.
             self.sync(t)
