@@ -94,3 +94,70 @@ def test_huggingface_tokenizer_json_counts_exactly(tmp_path: Path) -> None:
             return await counter.completion(text)
 
     assert asyncio.run(count("alpha beta, gamma")) == len(tok.encode("alpha beta, gamma").ids) == 4
+
+
+def test_a_slow_metrics_page_is_not_a_dead_pod(start_pool, start_sidecar) -> None:
+    """Timeouts must repeat before a pod is taken out; a refused connection takes it out at once."""
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    from disaggpool.sidecar.collectors import SCRAPE_FAILURES
+
+    pool = start_pool([A40], [A40])
+    release = threading.Event()
+
+    async def slow_metrics(request: web.Request) -> web.Response:
+        while not release.is_set():
+            await asyncio.sleep(0.05)
+        return web.Response(text="")
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_get("/metrics", slow_metrics)
+    loop.run_until_complete(runner.setup())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        slow_port = s.getsockname()[1]
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", slow_port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    decode = [
+        *pool.urls("decode"),
+        {"name": "slow", "url": f"http://127.0.0.1:{slow_port}"},
+        {"name": "dead", "url": f"http://127.0.0.1:{dead_port}"},
+    ]
+    try:
+        # A long interval keeps the background loop from scraping; each slow scrape costs 0.3 s.
+        sc = start_sidecar(
+            pool,
+            pool={"static": {"prefill": pool.urls("prefill"), "decode": decode}},
+            scrape_interval_s=60.0,
+            scrape_timeout_s=0.3,
+        )
+
+        state = sc.running.service.state
+
+        def slow() -> tuple[int, bool]:
+            return sc.call(
+                lambda: (state.instances["slow"].failures, state.instances["slow"].healthy)
+            )
+
+        assert sc.call(lambda: state.instances["dead"].healthy) is False  # refused: out at once
+        assert sc.call(lambda: state.instances["d0"].healthy) is True
+        for _ in range(2 * SCRAPE_FAILURES):  # timeouts: out only after SCRAPE_FAILURES in a row
+            failures, healthy = slow()
+            assert healthy is (failures < SCRAPE_FAILURES), (failures, healthy)
+            if failures >= SCRAPE_FAILURES:
+                break
+            sc.run(sc.running.collectors.scrape_once, timeout=60)
+        else:
+            raise AssertionError("the slow pod's scrapes never failed")
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

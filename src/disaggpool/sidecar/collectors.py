@@ -7,8 +7,9 @@
   ConfigMap works) or ConfigMaps selected by label (watched; pod from `disaggpool.io/pod`, the
   profile in key `profile.yaml`, as the calibration Job writes it). A file or ConfigMap that does
   not parse is logged with the field at fault and the pod keeps no profile: never a silent default;
-* scraping: every pod's `/metrics` each `scrape_interval_s`, concurrently; a pod that cannot be
-  reached or does not look like vLLM is marked unhealthy until a scrape succeeds;
+* scraping: every pod's `/metrics` each `scrape_interval_s`, concurrently; a pod that refuses
+  the connection, or times out or answers garbage `SCRAPE_FAILURES` times in a row, is marked
+  unhealthy until a scrape succeeds;
 * expiry: requests nobody reported on within `inflight_ttl_s` are forgotten.
 """
 
@@ -38,6 +39,7 @@ __all__ = ["Collectors", "members_from_pods", "profiles_from_configmaps"]
 log = logging.getLogger("disaggpool.sidecar")
 
 ROLE_LABEL = "disaggpool.io/role"
+SCRAPE_FAILURES = 3  # consecutive slow or malformed scrapes before a pod counts as unhealthy
 POD_LABEL = "disaggpool.io/pod"
 PROFILE_KEY = "profile.yaml"
 
@@ -214,17 +216,22 @@ class Collectors:
         await asyncio.gather(*(self._scrape(m) for m in members))
 
     async def _scrape(self, member: Member) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * self.config.scrape_interval_s))
+        # A busy vLLM answers /metrics late; a slow answer is not a dead pod. Only a refused
+        # connection (nothing listens) takes a pod out at once; timeouts and bad pages must
+        # repeat SCRAPE_FAILURES times in a row (requests that fail still eject it at once).
+        timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout)
         try:
             async with self.session.get(f"{member.url}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise MetricsFormatError(f"HTTP {resp.status}")
                 gauges = parse_gauges(await resp.text())
         except (aiohttp.ClientError, TimeoutError, OSError, MetricsFormatError) as exc:
+            refused = isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError)
             inst = self.state.instances.get(member.name)
-            if inst is not None and inst.healthy:
+            was_healthy = inst is not None and inst.healthy
+            self.state.unreachable(member.name, 1 if refused else SCRAPE_FAILURES)
+            if was_healthy and inst is not None and not inst.healthy:
                 log.warning("pod %s unreachable: %s", member.name, exc or type(exc).__name__)
-            self.state.unreachable(member.name)
             return
         inst = self.state.instances.get(member.name)
         if inst is not None and inst.member == member:

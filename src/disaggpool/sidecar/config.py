@@ -72,6 +72,7 @@ class SidecarConfig:
     http_listen: str = "0.0.0.0:8000"
     predictor: str = "online"
     scrape_interval_s: float = 1.0
+    scrape_timeout_s: float = 0.0  # 0: max(2 s, 4 x interval), at most 10 s
     max_inflight: int = 512
     prefill_attempts: int = 2
     inflight_ttl_s: float = 600.0
@@ -83,6 +84,12 @@ class SidecarConfig:
     members_kubernetes: KubernetesSource | None = None
     profiles_dir: str = ""
     profiles_kubernetes: KubernetesSource | None = None
+
+    @property
+    def scrape_timeout(self) -> float:
+        if self.scrape_timeout_s:
+            return self.scrape_timeout_s
+        return max(2.0, min(10.0, 4 * self.scrape_interval_s))
 
     @property
     def default_slo(self) -> SLOClass:
@@ -103,6 +110,7 @@ _TOP = {
     "default_slo_class",
     "predictor",
     "scrape_interval_s",
+    "scrape_timeout_s",
     "max_inflight",
     "prefill_attempts",
     "inflight_ttl_s",
@@ -150,7 +158,7 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     for key in ("grpc", "http"):
         if key in listen:
             kwargs[f"{key}_listen"] = _address(rd, listen[key], f"listen.{key}")
-    for key in ("scrape_interval_s", "inflight_ttl_s", "upstream_timeout_s"):
+    for key in ("scrape_interval_s", "scrape_timeout_s", "inflight_ttl_s", "upstream_timeout_s"):
         if key in top:
             kwargs[key] = rd.number(top[key], key, positive=True)
     for key in ("max_inflight", "prefill_attempts", "heterogeneity_window"):
