@@ -52,7 +52,7 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.loadgen import replay
+from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec
 from disaggpool.sim.paper import azure_services
@@ -261,7 +261,7 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                 for k in range(SIM_SEEDS)
             ]
             sim_goodput = [r["goodput"] for r in sims]
-            measured = _serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
+            measured, served = _serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
             _drain(list(urls.values()))
             summary = measured.summary()
             rows.append(
@@ -280,7 +280,7 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                     "tpot_p99_s_simulated": round(
                         statistics.fmean(r["tpot_p99_s"] for r in sims), 4
                     ),
-                    "served_by_pod": _decode_decisions(tmp, policy),
+                    "served_by_pod": served,
                 }
             )
         result = {
@@ -309,12 +309,6 @@ def _speed(p: CalibrationProfile) -> float:
     return builtin_profile("a40-llama3-8b").decode.d0 / p.decode.d0
 
 
-def _decode_decisions(tmp: Path, policy: str) -> dict[str, int]:
-    """Requests the sidecar sent to each decode pod (read from its metrics after the run)."""
-    path = tmp / f"decisions-{policy}.json"
-    return dict(sorted(json.loads(path.read_text()).items())) if path.exists() else {}
-
-
 def _serve_policy(
     exe: list[str],
     env: dict[str, str],
@@ -325,7 +319,9 @@ def _serve_policy(
     trace: Sequence[TraceRequest],
     slo: SLOClass,
     procs: list[subprocess.Popen[bytes]],
-) -> Any:
+) -> tuple[LoadReport, dict[str, int]]:
+    """Replay `trace` through a fresh sidecar running `policy`; the report and, per decode pod,
+    how many requests the sidecar sent there (read from its metrics)."""
     port = _free_port()
     config = {
         "policy": policy,
@@ -369,8 +365,7 @@ def _serve_policy(
             if line.startswith("disaggpool_route_decisions_total{") and 'role="decode"' in line:
                 pod = line.split('pod="', 1)[1].split('"', 1)[0]
                 counts[pod] = counts.get(pod, 0) + int(float(line.rsplit(" ", 1)[1]))
-        (tmp / f"decisions-{policy}.json").write_text(json.dumps(counts))
-        return report
+        return report, dict(sorted(counts.items()))
     finally:
         proc.terminate()
         proc.wait(10)

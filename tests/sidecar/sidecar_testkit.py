@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +48,27 @@ def sidecar_config(pool: Pool, /, **overrides: Any) -> SidecarConfig:
     }
     doc.update(overrides)
     return parse_config(doc, "<test>")
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """POST JSON (or raw bytes); (status, decoded body) for successes and HTTP errors alike."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` on `base_url`/metrics whose labels include `labels`."""
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

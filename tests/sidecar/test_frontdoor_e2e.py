@@ -15,36 +15,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-from sidecar_testkit import A40, MODEL
+from sidecar_testkit import A40, MODEL, metric, post
 
 from disaggpool.formats.profiles import save_profile
 from disaggpool.sidecar.harness import SidecarThread
-
-
-def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def metric(sc: SidecarThread, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(f"{sc.url}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        named = line.startswith((name + "{", name + " "))
-        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def idle(sc: SidecarThread) -> bool:
@@ -77,7 +54,7 @@ def test_openai_client_streaming_and_not(start_pool, start_sidecar) -> None:
     p0 = pool.emulator("p0")
     served_p = p0.call(lambda: p0.instance.metrics.request_success)
     assert sum(served_p.values()) == 2
-    assert metric(sc, "disaggpool_requests_total", outcome="met") == 2
+    assert metric(sc.url, "disaggpool_requests_total", outcome="met") == 2
 
 
 def test_bad_requests_name_the_field(start_pool, start_sidecar) -> None:
@@ -102,8 +79,8 @@ def test_bad_requests_name_the_field(start_pool, start_sidecar) -> None:
     # The SLO class may come as a header; an unknown one is refused the same way.
     status, body = post(url, {"prompt": "x", "max_tokens": 2}, {"X-SLO-Class": "batch"})
     assert status == 200
-    assert metric(sc, "disaggpool_requests_total", slo_class="batch") == 1
-    assert metric(sc, "disaggpool_rejected_requests_total", reason="bad_request") == 7
+    assert metric(sc.url, "disaggpool_requests_total", slo_class="batch") == 1
+    assert metric(sc.url, "disaggpool_rejected_requests_total", reason="bad_request") == 7
 
 
 def test_prefill_failure_retries_on_another_prefill_pod(start_pool, start_sidecar) -> None:
@@ -115,8 +92,8 @@ def test_prefill_failure_retries_on_another_prefill_pod(start_pool, start_sideca
         status, body = post(f"{sc.url}/v1/completions", {"prompt": f"q {i}", "max_tokens": 3})
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 3
-    assert metric(sc, "disaggpool_prefill_retries_total") >= 1
-    assert metric(sc, "disaggpool_upstream_failures_total", stage="prefill") >= 1
+    assert metric(sc.url, "disaggpool_prefill_retries_total") >= 1
+    assert metric(sc.url, "disaggpool_upstream_failures_total", stage="prefill") >= 1
     assert idle(sc)
 
 
@@ -206,9 +183,9 @@ def test_killing_a_decode_pod_mid_run_loses_no_request(start_pool, start_sidecar
     assert failed >= 1  # the requests streaming from the dead pod got a clear error...
     assert ok >= 8  # ...and the later ones went to the surviving pod
     assert idle(sc)
-    met = metric(sc, "disaggpool_requests_total", outcome="met")
-    missed = metric(sc, "disaggpool_requests_total", outcome="missed")
-    lost = metric(sc, "disaggpool_requests_total", outcome="failed")
+    met = metric(sc.url, "disaggpool_requests_total", outcome="met")
+    missed = metric(sc.url, "disaggpool_requests_total", outcome="missed")
+    lost = metric(sc.url, "disaggpool_requests_total", outcome="failed")
     assert met + missed == ok and lost == failed  # the counts add up
 
 
@@ -230,8 +207,8 @@ def test_calibrated_sends_less_work_to_a_slower_pod(start_pool, start_sidecar) -
                 await asyncio.gather(*(one(8 * wave + i) for i in range(8)))
 
     asyncio.run(burst())
-    fast = metric(sc, "disaggpool_route_decisions_total", role="decode", pod="d0")
-    slow = metric(sc, "disaggpool_route_decisions_total", role="decode", pod="d1")
+    fast = metric(sc.url, "disaggpool_route_decisions_total", role="decode", pod="d0")
+    slow = metric(sc.url, "disaggpool_route_decisions_total", role="decode", pod="d1")
     assert fast + slow == 48
     assert slow < 0.35 * fast, (fast, slow)
 
@@ -257,7 +234,7 @@ def test_client_disconnect_aborts_the_upstream_request(start_pool, start_sidecar
         time.sleep(0.05)
     assert idle(sc)
     assert d0.call(lambda: d0.instance.decode.engine.num_running) == 0  # vLLM-side abort
-    assert metric(sc, "disaggpool_requests_total", outcome="aborted") == 1
+    assert metric(sc.url, "disaggpool_requests_total", outcome="aborted") == 1
 
 
 def test_overload_answers_429_with_retry_after(start_pool, start_sidecar) -> None:
@@ -281,7 +258,7 @@ def test_overload_answers_429_with_retry_after(start_pool, start_sidecar) -> Non
     assert sorted(s for s, _ in results).count(200) == 2
     assert all(ra == "1" for s, ra in results if s == 429)
     assert sum(1 for s, _ in results if s == 429) == 4
-    assert metric(sc, "disaggpool_rejected_requests_total", reason="overload") == 4
+    assert metric(sc.url, "disaggpool_rejected_requests_total", reason="overload") == 4
 
 
 @pytest.mark.parametrize("stop_role", ["prefill", "decode"])

@@ -4,7 +4,6 @@ exact prompt lengths from a `tokenizer.json`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.request
 from pathlib import Path
@@ -12,23 +11,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from sidecar_testkit import A40, MODEL
+from sidecar_testkit import A40, MODEL, post
 
 from disaggpool.sidecar.config import TokenizerConfig
 from disaggpool.sidecar.state import PoolState
 from disaggpool.sidecar.tokens import PromptCounter
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def _metrics(url: str) -> str:
-    return urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
 
 
 def test_members_file_is_reread_when_it_changes(start_pool, start_sidecar, tmp_path) -> None:
@@ -52,7 +39,8 @@ def test_members_file_is_reread_when_it_changes(start_pool, start_sidecar, tmp_p
     members.write_text("decode: [not, a, pool")  # broken: the last good membership stays
     time.sleep(0.5)
     assert names() == {"d0", "d1"}
-    assert _post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})["usage"]
+    status, body = post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200 and body["usage"]
 
 
 def test_pods_without_a_trusted_profile_use_the_documented_fallback(
@@ -62,8 +50,9 @@ def test_pods_without_a_trusted_profile_use_the_documented_fallback(
     sc = start_sidecar(pool)
     with caplog.at_level("WARNING", logger="disaggpool.sidecar"):
         for i in range(3):
-            _post(f"{sc.url}/v1/completions", {"prompt": f"x {i}", "max_tokens": 2})
-    text = _metrics(sc.url)
+            status, _ = post(f"{sc.url}/v1/completions", {"prompt": f"x {i}", "max_tokens": 2})
+            assert status == 200
+    text = urllib.request.urlopen(f"{sc.url}/metrics", timeout=10).read().decode()
     assert 'disaggpool_route_fallbacks_total{reason="no-profile"} 3.0' in text
     assert 'disaggpool_profile_trusted{pod="d0"} 0.0' in text
     assert 'policy="calibrated(no-profile)"' in text
