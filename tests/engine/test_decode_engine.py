@@ -144,3 +144,33 @@ def test_prompt_larger_than_kv_cache_is_rejected_not_stuck() -> None:
     done = drive(engine, [(0.0, big), (0.0, small)])
     assert engine.rejected == [big]
     assert done == [small]
+
+
+@pytest.mark.parametrize("t0", [2.0**14, 2.0**20, 1e9])
+def test_a_large_clock_still_progresses(t0: float) -> None:
+    """The emulator runs engines on the host's monotonic clock (its uptime): far from zero, a
+    fixed 1e-12 s slack rounded away and the engine asked to be woken at a time it then did not
+    act on, forever. The same workload must finish, step for step, wherever the clock starts."""
+    base = workload(3, 40, rate=4.0)
+    expected = {r.index: r.finish for r in drive(DecodeEngine("d", A40), base)}
+    shifted = [
+        (t + t0, dataclasses.replace(r, arrival=r.arrival + t0))
+        for t, r in workload(3, 40, rate=4.0)
+    ]
+    engine = DecodeEngine("d", A40)
+    pending = sorted(shifted, key=lambda a: a[0])
+    done, i, wakes = [], 0, 0
+    while True:
+        wake = engine.next_wakeup()
+        if i < len(pending) and (wake is None or pending[i][0] < wake):
+            engine.enqueue(pending[i][1], pending[i][0])
+            i += 1
+            continue
+        if wake is None:
+            break
+        wakes += 1
+        assert wakes < 100_000, "the engine stopped making progress"
+        done.extend(engine.advance(wake)[0])
+    assert len(done) == len(base)
+    for r in done:
+        assert r.finish - t0 == pytest.approx(expected[r.index], abs=1e-6 + t0 * 1e-14)

@@ -32,6 +32,16 @@ __all__ = ["DecodeEngine"]
 _EPS = 1e-12
 
 
+def _tolerance(t: float) -> float:
+    """Slack for comparing times near `t`: 1e-12 s, or a few ulps of t when that is larger.
+
+    A fixed 1e-12 vanishes next to clock values above ~2**13 s (the emulator runs on the
+    host's monotonic clock, i.e. its uptime): t - t_step then loses the last step to rounding,
+    `next_wakeup` returns a time `advance` does not act on, and the engine never progresses.
+    """
+    return max(_EPS, abs(t) * 8.9e-16)
+
+
 class DecodeEngine:
     """One decode instance (see module docstring). `jitter` is the relative std-dev of step time."""
 
@@ -84,7 +94,7 @@ class DecodeEngine:
             return 0
         g = self._g
         extra = self._extra
-        elapsed = t - self.t_step + _EPS
+        elapsed = t - self.t_step + _tolerance(t)
         r = (elapsed - extra) / g
         if r <= 0:
             return 0
@@ -216,7 +226,7 @@ class DecodeEngine:
         if self.batch == 0:
             self.t_step = now
         at_boundary = abs(now - self.t_step) <= 1e-9
-        while self._transfers and self._transfers[0][0] <= now + _EPS:
+        while self._transfers and self._transfers[0][0] <= now + _tolerance(now):
             done, _, req = heapq.heappop(self._transfers)
             self._ready.append((done, req))
             transferred.append(req)

@@ -76,7 +76,7 @@ class PrefillEngine:
     def advance(self, now: float) -> list[EngineRequest]:
         """Finish the iteration ending at `now`; returns the requests whose prefill completed."""
         done = []
-        if self.busy_until is not None and now >= self.busy_until - 1e-12:
+        if self.busy_until is not None and now >= self.busy_until - max(1e-12, now * 8.9e-16):
             for req, chunk in self._batch:
                 offset = self._offset[req.index] + chunk
                 if offset >= req.prompt_tokens:
