@@ -350,7 +350,12 @@ class FrontDoor:
             if line.startswith(b"data: "):
                 payload = line[6:].strip()
                 if payload == b"[DONE]":
+                    # Book the outcome before the client can see the end of its stream, so that
+                    # a finished client never observes the request still in flight.
                     saw_done = True
+                    out = usage_tokens if usage_tokens is not None else chunks
+                    tpot = (last - first) / (out - 1) if out > 1 else 0.0
+                    self._finished(routed, out, (first or time.monotonic()) - t0, tpot)
                 else:
                     n, usage = _tokens_in(payload)
                     if usage is not None:
@@ -368,10 +373,6 @@ class FrontDoor:
         if not saw_done:
             raise aiohttp.ClientPayloadError("decode stream ended without [DONE]")
         await response.write_eof()
-        out = usage_tokens if usage_tokens is not None else chunks
-        ttft = (first or time.monotonic()) - t0
-        tpot = (last - first) / (out - 1) if out > 1 else 0.0
-        self._finished(routed, out, ttft, tpot)
 
     def _finish_whole(self, routed: Routed, raw: bytes, t0: float) -> None:
         try:
