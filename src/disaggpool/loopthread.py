@@ -30,9 +30,14 @@ S = TypeVar("S", bound=Closable)
 class LoopThread(Generic[S]):
     """Runs `start()` (a coroutine returning the running service) in a daemon thread."""
 
-    def __init__(self, start: Callable[[], Coroutine[Any, Any, S]], name: str) -> None:
+    def __init__(
+        self,
+        start: Callable[[], Coroutine[Any, Any, S]],
+        name: str,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+    ) -> None:
         self._start = start
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._service: S | None = None
         self._ready = concurrent.futures.Future[S]()

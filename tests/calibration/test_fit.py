@@ -115,3 +115,17 @@ def test_an_uncertain_transfer_rate_is_a_caveat_not_a_poor_fit() -> None:
     lo[0], hi[0] = 0.0, 5 * d0
     quality, reason = fit.verdict([dataclasses.replace(dec, ci_low=tuple(lo), ci_high=tuple(hi))])
     assert quality == "poor" and "d0 poorly determined" in reason
+
+
+def test_request_path_overhead_is_a_line_in_the_prompt_length() -> None:
+    rng = random.Random(5)
+    samples = [
+        fit.OverheadSample(n, (3e-4 + 2e-7 * n) * (1 + rng.gauss(0, 0.05)))
+        for n in [16, 64, 256, 1024, 4096, 8192] * 4
+    ]
+    samples[3] = fit.OverheadSample(samples[3].prompt_tokens, 0.02)  # one request hit a pause
+    base, per_token = fit.fit_overhead(samples)
+    assert base == pytest.approx(3e-4, rel=0.15)
+    assert per_token == pytest.approx(2e-7, rel=0.10)
+    with pytest.raises(ValueError, match="overhead samples"):
+        fit.fit_overhead(samples[:1])

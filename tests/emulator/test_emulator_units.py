@@ -3,7 +3,10 @@ metric buckets, the engine subclasses' aborts, configuration and the command lin
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,11 @@ from emulator_testkit import H100, make_profile
 
 from disaggpool.emulator import cli
 from disaggpool.emulator.config import DEFAULT_MODEL, EmulatorConfig, side_channel_from_env
-from disaggpool.emulator.engine_driver import EmulatedDecodeEngine, EmulatedPrefillEngine
+from disaggpool.emulator.engine_driver import (
+    DecodeDriver,
+    EmulatedDecodeEngine,
+    EmulatedPrefillEngine,
+)
 from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
 from disaggpool.emulator.metrics import Histogram, build_1_2_5_buckets
 from disaggpool.emulator.protocol import ApiError, GenerationRequest, parse_completion
@@ -210,3 +217,43 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--profile", "no-such-profile"]) == 2
     assert "no-such-profile" in capsys.readouterr().err
     assert cli.main(["--profile", "h100-llama3-8b", "--max-model-len", "10000000"]) == 2
+
+
+def test_decode_step_jitter_is_drawn_at_every_step() -> None:
+    """A live decode engine varies step by step around the profile's step time (the shared
+    engine holds one draw per batch, which a client timing a batch would see as a bias)."""
+    prof = make_profile(decode={"d0": 0.002, "d1": 0.0, "d2": 0.0})
+    tokens = 60
+
+    class Listener:
+        def __init__(self, done: asyncio.Future[None]) -> None:
+            self.times: list[float] = []
+            self.done = done
+
+        def on_tokens(self, n: int, t: float) -> None:
+            self.times += [t] * n
+
+        def on_finished(self, t: float) -> None:
+            self.done.set_result(None)
+
+        def on_transfer_started(self, t: float) -> None:
+            pass
+
+        def on_transferred(self, t: float) -> None:
+            pass
+
+    async def run() -> list[float]:
+        loop = asyncio.get_running_loop()
+        driver = DecodeDriver(prof, jitter=0.05, rng_seed=3)
+        listener = Listener(loop.create_future())
+        req = EngineRequest(0, loop.time(), 16, tokens - 1, "x")
+        assert driver.submit(req, listener, local=True)
+        await asyncio.wait_for(listener.done, 10)
+        driver.close()
+        return listener.times  # model times, whatever the delivery
+
+    times = asyncio.run(run())
+    gaps = [b - a for a, b in itertools.pairwise(times[1:])]
+    assert len(gaps) == tokens - 2
+    assert len({round(g, 9) for g in gaps}) > len(gaps) // 2  # drawn per step, not per batch
+    assert statistics.mean(gaps) == pytest.approx(0.002, rel=0.03)  # 58 draws, sd 0.7%

@@ -6,9 +6,9 @@ samples over HTTP and calls `fit_profile`; tests feed it synthetic samples.
 
 Models fitted (the profile's formulas, `core.profile`):
 
-* prefill, from the TTFT of single requests on an idle engine:
-  ``TTFT(n) = p0 * ceil(n / M_b) + p1 * n + p2 * n**2`` (fixed HTTP overhead folds into p0,
-  which is what a router sees too);
+* prefill, from the TTFT of single requests on an idle engine, less the request path's own cost
+  (`fit_overhead`: a line in the prompt length, from requests the server rejects unprocessed):
+  ``TTFT(n) = p0 * ceil(n / M_b) + p1 * n + p2 * n**2``;
 * decode, from the mean inter-token gap of B concurrent streams holding K context tokens:
   ``ITL(B, K) = d0 + d1 * B + d2 * K``;
 * KV transfer, from the TTFT of decode legs on an idle decode engine whose prompt was prefilled
@@ -31,9 +31,11 @@ import numpy as np
 __all__ = [
     "DecodeSample",
     "FitResult",
+    "OverheadSample",
     "PrefillSample",
     "TransferSample",
     "fit_decode",
+    "fit_overhead",
     "fit_prefill",
     "fit_transfer",
     "huber_nnls",
@@ -65,6 +67,12 @@ class DecodeSample:
 class TransferSample:
     prompt_tokens: int
     ttft_s: float  # decode-leg TTFT on an idle decode engine
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OverheadSample:
+    prompt_tokens: int
+    seconds: float  # round trip of a request the server rejects before its engine sees it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,6 +176,20 @@ def _fit(
         train_points=len(train),
         holdout_points=n_hold,
     )
+
+
+def fit_overhead(samples: Sequence[OverheadSample]) -> tuple[float, float]:
+    """(seconds, seconds per prompt token) of the request path outside the engine.
+
+    A straight line: sending, parsing and validating a prompt grows with its length (a few
+    hundred microseconds for thousands of token ids), which would otherwise read as prefill.
+    """
+    if len(samples) < 2:
+        raise ValueError(f"need at least 2 overhead samples, got {len(samples)}")
+    n = np.array([s.prompt_tokens for s in samples], dtype=float)
+    x = np.column_stack([np.ones(len(samples)), n])
+    a, b = huber_nnls(x, np.array([s.seconds for s in samples], dtype=float))
+    return float(a), float(b)
 
 
 def fit_prefill(

@@ -25,12 +25,14 @@ import datetime
 import math
 import random
 import re
+import statistics
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from disaggpool.calibration import fit
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
@@ -45,6 +47,10 @@ PREFILL_SHARE = 0.30
 DECODE_SHARE = 0.45
 TRANSFER_SHARE = 0.20
 DECODE_TOKENS = 24  # tokens per stream in the decode stage
+DECODE_PASSES = 6  # most passes through the decode grid (fewer when the budget runs out)
+DECODE_JOIN_SHARE = 0.1  # most of the decode stage one run may spend prefilling its prompts
+PREFILL_PASSES = 6  # most passes through the prefill grid
+TRANSFER_PASSES = 8  # most passes through the KV-transfer grid
 TOKEN_IDS = range(100, 400)  # valid ids for any vocabulary of 512 tokens or more
 
 
@@ -120,12 +126,37 @@ class _Client:
         blocks, block_size = parse_cache_config(metrics)
         return _Pod(url, model, max_len, blocks * block_size, block_size)
 
-    async def http_overhead(self, pod: _Pod, rounds: int = 7) -> float:
-        """Median latency of a trivial API call: the HTTP and API-server cost in every TTFT.
+    async def rejected(
+        self, pod: _Pod, prompt: list[int], extra: dict[str, Any] | None = None
+    ) -> float | None:
+        """Round trip of the measured request's twin that the server refuses unprocessed.
 
-        It is subtracted from the measured TTFTs, so that the constants describe the engine and
-        the same profile fits a pod measured through a slower or faster network path.
+        The same endpoint, body and prompt, but ``min_tokens > max_tokens``, which vLLM rejects
+        with a 400 after parsing and validating the prompt and before its engine sees it: the
+        HTTP and API-server share of that request's TTFT. Sent just before its twin, so both
+        find the connection and the machine in the same state; and twice, the first time only to
+        wake the server: a process idle for a few milliseconds answers its next request up to a
+        millisecond slower (measured on a virtual machine here), where the twin, right behind,
+        finds it awake. None if the server accepted it.
         """
+        body = {
+            "model": pod.model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "min_tokens": 2,
+            "stream": True,
+            **(extra or {}),
+        }
+        for _ in range(2):
+            start = time.perf_counter()
+            async with self.session.post(f"{pod.url}/v1/completions", json=body) as resp:
+                await resp.read()
+            elapsed = time.perf_counter() - start
+        return elapsed if 400 <= resp.status < 500 else None
+
+    async def http_overhead(self, pod: _Pod, rounds: int = 7) -> float:
+        """Median latency of a trivial API call: the fallback overhead estimate for a server
+        that accepts `rejected`'s twins."""
         times = []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -141,12 +172,17 @@ class _Client:
         return [self.rng.choice(TOKEN_IDS) for _ in range(n)]
 
     async def stream(
-        self, pod: _Pod, n: int, max_tokens: int, extra: dict[str, Any] | None = None
+        self,
+        pod: _Pod,
+        prompt: int | list[int],
+        max_tokens: int,
+        extra: dict[str, Any] | None = None,
     ) -> list[float]:
-        """Send one streaming completion; return the arrival time of every token chunk."""
+        """Send one streaming completion (a prompt, or its length); return the send time and
+        the arrival time of every token chunk."""
         body = {
             "model": pod.model,
-            "prompt": self.prompt(n),
+            "prompt": self.prompt(prompt) if isinstance(prompt, int) else prompt,
             "max_tokens": max_tokens,
             "min_tokens": max_tokens,
             "ignore_eos": True,
@@ -189,17 +225,31 @@ class _Client:
 
 
 async def _prefill_stage(
-    client: _Client, pod: _Pod, deadline: float, progress: Progress | None
+    client: _Client,
+    pod: _Pod,
+    deadline: float,
+    progress: Progress | None,
+    overheads: list[fit.OverheadSample],
 ) -> list[fit.PrefillSample]:
     top = max(16, min(pod.max_model_len - 8, 8192))  # long prompts pin down the quadratic term
     grid = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
-    plan = grid * 3
-    random.Random(1).shuffle(plan)  # interleave lengths so an early stop keeps the spread
+    # Two more of the shortest and of the longest per pass: the fixed cost is read off the
+    # first, the quadratic term off the second, where it is a fifth of the TTFT or more.
+    grid += grid[:1] * 2 + grid[-1:] * 2
+    shuffle = random.Random(1)
+    plan = []
+    for _ in range(PREFILL_PASSES):  # each pass shuffled: an early stop keeps the spread
+        shuffle.shuffle(grid)
+        plan += grid
     samples: list[fit.PrefillSample] = []
     for i, n in enumerate(plan):
         if time.perf_counter() > deadline and len(samples) >= 8:
             break
-        times = await client.stream(pod, n, 1)
+        prompt = client.prompt(n)
+        overhead = await client.rejected(pod, prompt)
+        if overhead is not None:
+            overheads.append(fit.OverheadSample(n, overhead))
+        times = await client.stream(pod, prompt, 1)
         if len(times) >= 2:
             samples.append(fit.PrefillSample(n, times[1] - times[0]))
         if progress:
@@ -207,20 +257,46 @@ async def _prefill_stage(
     return samples
 
 
+def _interpolated(samples: list[fit.PrefillSample]) -> Callable[[int], float]:
+    """Measured TTFT as a function of prompt length: per-length medians, interpolated."""
+    by_length: dict[int, list[float]] = {}
+    for s in samples:
+        by_length.setdefault(s.prompt_tokens, []).append(s.ttft_s)
+    if not by_length:
+        return lambda n: 0.0  # nothing measured: the fit will say so
+    lengths = sorted(by_length)
+    medians = [statistics.median(by_length[n]) for n in lengths]
+    return lambda n: float(np.interp(n, lengths, medians))
+
+
 async def _decode_stage(
-    client: _Client, pod: _Pod, cfg: ProbeConfig, deadline: float, progress: Progress | None
+    client: _Client,
+    pod: _Pod,
+    cfg: ProbeConfig,
+    deadline: float,
+    progress: Progress | None,
+    prefill_time: Callable[[int], float],
 ) -> list[fit.DecodeSample]:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs]
     # Two context lengths far apart separate the per-sequence and per-context-token costs.
     contexts = [c for c in (32, 1536) if c + DECODE_TOKENS < pod.max_model_len]
-    # Twice through the grid, the second pass only if the budget allows: step noise averages out.
-    plan = [(b, c) for b in batches for c in contexts] * 2
+    # A run first prefills its B prompts, which at long contexts and large batches costs more
+    # than everything else (64 prompts of 1536 tokens: 14 s on an A40). Such a run is left
+    # out when that would take more than a tenth of the stage: repeats of the others buy more.
+    stage = max(deadline - time.perf_counter(), 0.0)
+    grid = [
+        (b, c)
+        for b in batches
+        for c in contexts
+        if b * (c + DECODE_TOKENS) <= 0.8 * pod.kv_capacity_tokens  # else it would preempt
+        and (b * prefill_time(c) <= DECODE_JOIN_SHARE * stage or (b, c) == (1, contexts[0]))
+    ]
+    # Through the grid again and again while the budget lasts: step noise averages out.
+    plan = grid * DECODE_PASSES
     samples: list[fit.DecodeSample] = []
     for i, (b, ctx) in enumerate(plan):
         if time.perf_counter() > deadline and len(samples) >= 6:
             break
-        if b * (ctx + DECODE_TOKENS) > 0.8 * pod.kv_capacity_tokens:
-            continue  # would preempt: the step model does not describe preemption
         runs = await asyncio.gather(*(client.stream(pod, ctx, DECODE_TOKENS) for _ in range(b)))
         # Only the window in which all B streams decode: before the last one joined, steps also
         # carried prefill work; after the first one finished, the batch was smaller. Per stream,
@@ -243,12 +319,22 @@ async def _decode_stage(
 
 
 async def _transfer_stage(
-    client: _Client, pod: _Pod, peer: _Pod, deadline: float, progress: Progress | None
+    client: _Client,
+    pod: _Pod,
+    peer: _Pod,
+    deadline: float,
+    progress: Progress | None,
+    overheads: list[fit.OverheadSample],
 ) -> list[fit.TransferSample]:
     top = max(32, min(pod.max_model_len - 8, peer.max_model_len - 8, 4096))
     grid = sorted({round(32 * (top / 32) ** (i / 5)) for i in range(6)})
-    plan = grid * 3
-    random.Random(2).shuffle(plan)
+    # The short prompts pin down k0 and cost little: three more of them per pass.
+    grid += [grid[0]] * 3
+    shuffle = random.Random(2)
+    plan = []
+    for _ in range(TRANSFER_PASSES):
+        shuffle.shuffle(grid)
+        plan += grid
     samples: list[fit.TransferSample] = []
     for i, n in enumerate(plan):
         if time.perf_counter() > deadline and len(samples) >= 6:
@@ -256,6 +342,11 @@ async def _transfer_stage(
         request_id = f"probe-xfer-{i}-{client.rng.getrandbits(32):08x}"
         prompt = client.prompt(n)
         params = await client.prefill_leg(peer, prompt, request_id)
+        # The twin carries the same KV coordinates (a larger body, parsed the same way); vLLM
+        # rejects it before anything is scheduled, so P's blocks wait for the real decode leg.
+        overhead = await client.rejected(pod, prompt, {"kv_transfer_params": params})
+        if overhead is not None:
+            overheads.append(fit.OverheadSample(n, overhead))
         start = time.perf_counter()
         body = {
             "model": pod.model,
@@ -290,22 +381,43 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         pod = await client.discover(cfg.endpoint.rstrip("/"))
         peer = await client.discover(cfg.peer.rstrip("/")) if cfg.peer else None
         budget = cfg.budget_s
+        overheads: list[fit.OverheadSample] = []
         try:
-            overhead = await client.http_overhead(pod)
-            pre = await _prefill_stage(client, pod, start + PREFILL_SHARE * budget, progress)
+            pre = await _prefill_stage(
+                client, pod, start + PREFILL_SHARE * budget, progress, overheads
+            )
             dec = await _decode_stage(
-                client, pod, cfg, start + (PREFILL_SHARE + DECODE_SHARE) * budget, progress
+                client,
+                pod,
+                cfg,
+                start + (PREFILL_SHARE + DECODE_SHARE) * budget,
+                progress,
+                _interpolated(pre),
             )
             xfer = (
-                await _transfer_stage(client, pod, peer, start + (1 - 0.05) * budget, progress)
+                await _transfer_stage(
+                    client, pod, peer, start + (1 - 0.05) * budget, progress, overheads
+                )
                 if peer
                 else []
             )
+            if len(overheads) >= 4:
+                path = "rejected twin requests"
+                base, per_token = fit.fit_overhead(overheads)
+            else:  # the server accepted the twins: a constant from a trivial call instead
+                path = "/tokenize round trip"
+                base, per_token = await client.http_overhead(pod), 0.0
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ProbeError(f"probe requests failed: {exc!r}") from None
     elapsed = time.perf_counter() - start
-    pre = [fit.PrefillSample(s.prompt_tokens, max(1e-6, s.ttft_s - overhead)) for s in pre]
-    xfer = [fit.TransferSample(s.prompt_tokens, max(1e-6, s.ttft_s - overhead)) for s in xfer]
+
+    def engine_time(n: int, ttft: float) -> float:
+        return max(1e-6, ttft - base - per_token * n)
+
+    pre = [fit.PrefillSample(s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s)) for s in pre]
+    xfer = [
+        fit.TransferSample(s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s)) for s in xfer
+    ]
     try:
         pre_fit = fit.fit_prefill(pre, cfg.max_num_batched_tokens, cfg.seed)
         dec_fit = fit.fit_decode(dec, cfg.seed)
@@ -344,7 +456,12 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         "peer": cfg.peer,
         "role": cfg.role,
         "elapsed_s": round(elapsed, 3),
-        "http_overhead_s": round(overhead, 6),
+        "http_overhead": {
+            "from": path,
+            "seconds": round(base, 6),
+            "seconds_per_prompt_token": per_token,
+            "samples": len(overheads),
+        },
         "budget_s": cfg.budget_s,
         "samples": {"prefill": len(pre), "decode": len(dec), "transfer": len(xfer)},
         "fits": {

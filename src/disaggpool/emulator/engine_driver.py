@@ -83,6 +83,18 @@ class EmulatedDecodeEngine(DecodeEngine):
         """Tokens `req` has produced by boundary `self.step` (it must be running)."""
         return req.generated + self.step - req.join_step
 
+    def redraw_jitter(self) -> None:
+        """Draw the jitter factor of the steps from the current boundary on.
+
+        The shared engine draws one factor per batch change, which keeps the simulator's
+        analytic chunks whole. A live server redraws at every boundary (it wakes there anyway),
+        so that step times vary step by step as a GPU's do, and a client timing many steps sees
+        the profile's mean rather than one draw held for the whole batch. Call only when the
+        engine has just been advanced to a boundary.
+        """
+        if self._jitter and self.batch:
+            self._g = max(0.5, min(1.5, self._rng.gauss(1.0, self._jitter)))
+
     def is_running(self, req: EngineRequest) -> bool:
         return self.running.get(req.index) is req
 
@@ -275,6 +287,7 @@ class DecodeDriver(_Driver):
         self._first_due: list[tuple[float, int]] = []  # heap of (time, index)
         self._preemptions = 0
         self._on_preempt = on_preempt
+        self._jitter_step = -1  # the boundary whose steps' jitter was last drawn
 
     def _next(self) -> float | None:
         times = [
@@ -325,6 +338,9 @@ class DecodeDriver(_Driver):
             if entry is not None:
                 entry[1].on_transferred(t)
         self._started(started, t)
+        if engine.step != self._jitter_step and abs(t - engine.t_step) <= 1e-9:
+            self._jitter_step = engine.step
+            engine.redraw_jitter()
         if self._drop and abs(t - engine.t_step) <= 1e-9:
             drops, self._drop = self._drop, {}
             for req in drops.values():

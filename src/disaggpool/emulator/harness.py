@@ -11,6 +11,7 @@ block pool, the engines) without racing the loop. Several emulators can run in o
 
 from __future__ import annotations
 
+from disaggpool.emulator import precise_loop
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.instance import EmulatorInstance
 from disaggpool.emulator.server import RunningEmulator, serve
@@ -24,7 +25,9 @@ class EmulatorThread(LoopThread[RunningEmulator]):
 
     def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
-        super().__init__(lambda: serve(config), name="emulator")
+        super().__init__(
+            lambda: serve(config), name="emulator", loop_factory=precise_loop.new_event_loop
+        )
 
     @property
     def running(self) -> RunningEmulator:
