@@ -4,10 +4,12 @@ For each profile (A40-like, H100-like, and an A40 host with large fixed overhead
 serve it (decode pod + prefill peer, loopback, jitter 3%); `disaggpool.calibration.probe` probes
 them within the budget; we print every fitted constant against the truth, the held-out TTFT and
 TPOT errors, the verdict and the wall time. By default each emulator is its own process, pinned to
-CPU 0 while the probe runs on CPU 1 (as a probe Job and a vLLM pod would be); `--threads` runs
-them as threads of the probe's process instead (sharing its interpreter lock). Usage:
+CPU 0 while the probe runs on CPU 1 (as a probe Job and a vLLM pod would be) and polls instead of
+sleeping (`calibrate --busy-poll`); `--threads` runs them as threads of the probe's process
+instead (sharing its interpreter lock; the probe then sleeps as usual). Usage:
 
-    .venv/bin/python bench/probe_accuracy.py [--budget 60] [--threads] [--only NAME] [--json FILE]
+    .venv/bin/python bench/probe_accuracy.py [--budget 60] [--threads | --no-busy-poll]
+        [--only NAME] [--json FILE]
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--threads", action="store_true", help="emulators as threads")
+    parser.add_argument(
+        "--no-busy-poll", action="store_true", help="the probe sleeps while it waits"
+    )
     parser.add_argument("--only", help="one profile name")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -148,6 +153,9 @@ def main() -> None:
                     budget_s=args.budget,
                     max_num_seqs=true.max_num_seqs,
                     max_num_batched_tokens=true.max_num_batched_tokens,
+                    # On its own CPU the probe polls (`calibrate --busy-poll`); sharing the
+                    # emulators' interpreter it must not.
+                    busy_poll=not (args.threads or args.no_busy_poll),
                 )
             )
             wall = time.perf_counter() - start

@@ -148,6 +148,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
         gpu=args.gpu,
+        busy_poll=args.busy_poll,
     )
     try:
         result = run_probe(cfg, progress=_progress("calibrate"))
@@ -260,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--kv-bytes-per-token", type=int, default=int(_env("kv_bytes_per_token", 128 * 1024))
+    )
+    c.add_argument(
+        "--busy-poll",
+        action="store_true",
+        default=_env("busy_poll", "") not in ("", "0", "false"),
+        help="poll instead of sleeping while waiting for answers: sharper sub-millisecond "
+        "constants on VMs whose idle CPUs wake slowly, for one busy core (give the Job 1 CPU)",
     )
     c.add_argument(
         "--configmap-labels",

@@ -8,13 +8,16 @@ coefficient, so an early stop still yields a profile, with its held-out error sa
    (`vllm:cache_config_info`: num_gpu_blocks x block_size = KV capacity in tokens);
 2. prefill: single streaming requests with `max_tokens=1` on the idle pod, prompt lengths on a log
    grid -> TTFT(n);
-3. decode: B concurrent streams with prompts of L tokens, `ignore_eos` -> mean inter-token gap
-   at batch B and context K = B * (L + generated / 2), for B on a doubling grid and two L;
-4. KV transfer (with `--peer`, the prefill pod): prefill legs on the peer, decode legs here, as
-   vLLM's P/D proxy does -> decode-leg TTFT(n).
+3. KV transfer (with `--peer`, the prefill pod): prefill legs on the peer, decode legs here, as
+   vLLM's P/D proxy does -> decode-leg TTFT(n);
+4. decode: B concurrent streams with prompts of L tokens, `ignore_eos` -> mean inter-token gap
+   at batch B and context K = B * (L + generated / 2), for B on a doubling grid and two L; last,
+   as it can always use more time: what the other stages leave over goes to it.
 
-Prompts are sent as token-id lists, so their lengths are exact whatever the tokenizer. All I/O
-of the probe lives here; the fitting is `calibration.fit` (pure).
+Each grid is repeated, reshuffled, until its stage's time is up. Every TTFT is taken net of the
+request path outside the engine, measured by a twin of the request that the server rejects
+unprocessed (`_Client.rejected`). Prompts are sent as token-id lists, so their lengths are exact
+whatever the tokenizer. All I/O of the probe lives here; the fitting is `calibration.fit` (pure).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from disaggpool import precise_loop
 from disaggpool.calibration import fit
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
 from disaggpool.pdwire import prefill_leg_params
@@ -44,12 +48,11 @@ Progress = Callable[[str, int, int], None]
 
 # Budget shares of the stages (the rest is discovery and fitting).
 PREFILL_SHARE = 0.30
-DECODE_SHARE = 0.45
-TRANSFER_SHARE = 0.20
+TRANSFER_SHARE = 0.20  # the decode stage has the rest, up to 95% of the budget
 DECODE_TOKENS = 24  # tokens per stream in the decode stage
-DECODE_PASSES = 6  # most passes through the decode grid (fewer when the budget runs out)
+DECODE_PASSES = 8  # most passes through the decode grid (fewer when the budget runs out)
 DECODE_JOIN_SHARE = 0.1  # most of the decode stage one run may spend prefilling its prompts
-PREFILL_PASSES = 6  # most passes through the prefill grid
+PREFILL_PASSES = 12  # most passes through the prefill grid
 TRANSFER_PASSES = 8  # most passes through the KV-transfer grid
 TOKEN_IDS = range(100, 400)  # valid ids for any vocabulary of 512 tokens or more
 
@@ -71,6 +74,10 @@ class ProbeConfig:
     gpu: str = ""
     request_timeout_s: float = 60.0
     seed: int = 0
+    # Poll instead of sleeping while waiting for answers (`precise_loop.BusyPollSelector`):
+    # sub-millisecond constants come out right on virtual machines whose idle CPUs wake slowly,
+    # at the price of one busy core for the probe's duration. Not in a process it shares.
+    busy_poll: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +116,7 @@ class _Client:
         self.session = session
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        self.twins_accepted = False  # a server that does not validate: no more twins
 
     async def discover(self, url: str) -> _Pod:
         try:
@@ -137,8 +145,11 @@ class _Client:
         find the connection and the machine in the same state; and twice, the first time only to
         wake the server: a process idle for a few milliseconds answers its next request up to a
         millisecond slower (measured on a virtual machine here), where the twin, right behind,
-        finds it awake. None if the server accepted it.
+        finds it awake. None if the server accepted it; then no twin is sent again (one that
+        carries KV coordinates would have the real decode leg's blocks pulled).
         """
+        if self.twins_accepted:
+            return None
         body = {
             "model": pod.model,
             "prompt": prompt,
@@ -152,7 +163,10 @@ class _Client:
             async with self.session.post(f"{pod.url}/v1/completions", json=body) as resp:
                 await resp.read()
             elapsed = time.perf_counter() - start
-        return elapsed if 400 <= resp.status < 500 else None
+            if not 400 <= resp.status < 500:
+                self.twins_accepted = True
+                return None
+        return elapsed
 
     async def http_overhead(self, pod: _Pod, rounds: int = 7) -> float:
         """Median latency of a trivial API call: the fallback overhead estimate for a server
@@ -233,9 +247,9 @@ async def _prefill_stage(
 ) -> list[fit.PrefillSample]:
     top = max(16, min(pod.max_model_len - 8, 8192))  # long prompts pin down the quadratic term
     grid = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
-    # Two more of the shortest and of the longest per pass: the fixed cost is read off the
+    # Two more of the shortest and three of the longest per pass: the fixed cost is read off the
     # first, the quadratic term off the second, where it is a fifth of the TTFT or more.
-    grid += grid[:1] * 2 + grid[-1:] * 2
+    grid += grid[:1] * 2 + grid[-1:] * 3
     shuffle = random.Random(1)
     plan = []
     for _ in range(PREFILL_PASSES):  # each pass shuffled: an early stop keeps the spread
@@ -386,20 +400,22 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
             pre = await _prefill_stage(
                 client, pod, start + PREFILL_SHARE * budget, progress, overheads
             )
-            dec = await _decode_stage(
-                client,
-                pod,
-                cfg,
-                start + (PREFILL_SHARE + DECODE_SHARE) * budget,
-                progress,
-                _interpolated(pre),
-            )
+            # The KV transfer before the decode stage, whose grid never runs short of work:
+            # time the other stages leave over goes to it.
             xfer = (
                 await _transfer_stage(
-                    client, pod, peer, start + (1 - 0.05) * budget, progress, overheads
+                    client,
+                    pod,
+                    peer,
+                    start + (PREFILL_SHARE + TRANSFER_SHARE) * budget,
+                    progress,
+                    overheads,
                 )
                 if peer
                 else []
+            )
+            dec = await _decode_stage(
+                client, pod, cfg, start + (1 - 0.05) * budget, progress, _interpolated(pre)
             )
             if len(overheads) >= 4:
                 path = "rejected twin requests"
@@ -479,4 +495,6 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
 
 def run_probe(cfg: ProbeConfig, progress: Progress | None = None) -> ProbeResult:
     """Probe one pod (blocking); raises ProbeError when it cannot."""
-    return asyncio.run(_probe(cfg, progress))
+    factory = precise_loop.busy_poll_event_loop if cfg.busy_poll else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_probe(cfg, progress))

@@ -22,7 +22,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from disaggpool.emulator import precise_loop
+from disaggpool import precise_loop
 from disaggpool.emulator.config import EmulatorConfig, side_channel_from_env
 from disaggpool.emulator.server import serve
 from disaggpool.errors import InputError

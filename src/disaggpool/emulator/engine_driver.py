@@ -2,11 +2,12 @@
 
 The simulator's event loop and this driver share one contract with the engines: call
 ``engine.advance(t)`` at ``engine.next_wakeup()``, and after every enqueue ask again. Here the
-"event heap" is one `loop.call_at` timer per engine, re-armed after every change. Timers fire late
-by up to the loop's resolution (about 1 ms, as epoll sleeps in milliseconds), so the driver never
-advances an engine to the wall clock: it replays every due wake-up at its exact model time, in
-order, and only then enqueues at "now". The engine therefore sees the same sequence of calls the
-simulator would make, and timing differs from the model only by delivery latency.
+"event heap" is one `loop.call_at` timer per engine, re-armed after every change. Timers fire a
+little late (tens of microseconds on `precise_loop`), so the driver never advances an engine to
+the wall clock: it replays every due wake-up at its exact model time, in order, and only then
+enqueues at "now". The engine therefore sees the same sequence of calls the simulator would make,
+and timing differs from the model only by delivery latency, which `lead` takes out (timers fire
+that much early, the engine still acts at the model time).
 
 The decode engine is advanced analytically and wakes only on events; a streaming client needs
 every token, so the decode driver also wakes at every step boundary while a batch is running
@@ -161,6 +162,9 @@ class _Driver:
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for: float | None = None
         self.time = self._loop.time()  # the last time handed to the engine
+        # How much before its model time a wake-up fires, so that the server has handled it by
+        # then: the instance learns it from its own delivery (`EmulatorInstance._resumed`).
+        self.lead = 0.0
 
     # subclasses: when the engine next needs attention, and what to do then
     def _next(self) -> float | None:
@@ -193,14 +197,14 @@ class _Driver:
             return
         if self._handle is not None:
             self._handle.cancel()
-        self._handle = None if t is None else self._loop.call_at(t, self._fire, t)
+        self._handle = None if t is None else self._loop.call_at(t - self.lead, self._fire, t)
         self._armed_for = t
 
     def _fire(self, t: float) -> None:
         self._handle = None
         self._armed_for = None
         try:
-            # A timer never fires early by more than the clock's resolution; act at its time.
+            # Act at the wake-up's model time: `lead` fired it early, the loop maybe late.
             self.sync(t)
         except Exception:  # a bug must not silently stop the clock of every request
             log.exception("engine driver failed")

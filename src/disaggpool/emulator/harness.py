@@ -11,7 +11,7 @@ block pool, the engines) without racing the loop. Several emulators can run in o
 
 from __future__ import annotations
 
-from disaggpool.emulator import precise_loop
+from disaggpool import precise_loop
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.instance import EmulatorInstance
 from disaggpool.emulator.server import RunningEmulator, serve

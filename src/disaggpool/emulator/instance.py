@@ -58,6 +58,9 @@ __all__ = ["Done", "EmulatorInstance", "Failed", "Job", "Tokens"]
 log = logging.getLogger(__name__)
 
 _POLL = 0.1  # seconds between checks that a client is still connected
+# The most a timer fires before its model time (`EmulatorInstance._resumed`): far above the
+# delivery cost of a healthy process, far below any step or prefill of a real GPU.
+_MAX_LEAD = 0.002
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +121,7 @@ class Job:
         self.notified = False
         self.pull: asyncio.Task[None] | None = None
         self.on_prefill_engine = False  # prefill legs and one-token plain requests
+        self.held_by_read = False  # a late KV read, not the engine, timed its first tokens
         self.prefill_cancelled = False
 
     @property
@@ -170,6 +174,7 @@ class Job:
         loop = asyncio.get_running_loop()
         next_poll = loop.time() + _POLL
         while True:
+            woke = False
             while not self._events:
                 if gone is not None and loop.time() >= next_poll:
                     next_poll = loop.time() + _POLL
@@ -180,11 +185,14 @@ class Job:
                 timer = None if gone is None else loop.call_at(next_poll, _resolve, waiter)
                 try:
                     await waiter
+                    woke = True
                 finally:
                     self._waiter = None
                     if timer is not None:
                         timer.cancel()
             ev = self._events.popleft()
+            if woke and not isinstance(ev, Failed) and not self.held_by_read:
+                self.inst._resumed(ev.t)
             yield ev
             if not isinstance(ev, Tokens):
                 return
@@ -194,6 +202,7 @@ class Job:
 
     def open_gate(self) -> None:
         self.gate_open = True
+        self.held_by_read = bool(self.deferred)
         deferred, self.deferred = self.deferred, []
         for what, n, t in deferred:
             if what == "tokens":
@@ -232,6 +241,8 @@ class EmulatorInstance:
         self._prefill: PrefillDriver | None = None
         self._decode: DecodeDriver | None = None
         self.side_channel_port = config.side_channel_port
+        self._lead = 0.0  # the engine drivers' `lead` (`_resumed`)
+        self._last_resumed = -1.0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -412,6 +423,24 @@ class EmulatorInstance:
             self.metrics.nixl_failed_notifications += 1
 
     # ------------------------------------------------------------------ token flow
+    def _resumed(self, t: float) -> None:
+        """A request's handler has just taken up its event of model time `t`.
+
+        Between an engine wake-up and that moment this process spends a few hundred
+        microseconds (a timer's lateness, the drivers' replay, the listeners, the switch to the
+        handler), more after a long idle on a virtual machine, which a client would read as a
+        larger fixed cost than the profile's. The first handler to resume after each wake-up
+        measures it, and the drivers fire their timers that much early: an integral controller
+        (gain 1/4) that settles where handlers resume on time. Building and writing the response
+        is not compensated: every server does that, for an error too.
+        """
+        if t == self._last_resumed:
+            return
+        self._last_resumed = t
+        late = asyncio.get_running_loop().time() - t
+        self._lead = min(_MAX_LEAD, max(0.0, self._lead + 0.25 * late))
+        self.prefill.lead = self.decode.lead = self._lead
+
     def _tokens(self, job: Job, n: int, t: float) -> None:
         if job.done:
             return

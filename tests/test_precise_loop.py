@@ -1,6 +1,6 @@
-"""The emulator's event loop (`emulator.precise_loop`): timers keep asyncio's contract (never
-early, all of them, in order) and a long sleep still wakes at once for I/O. How precisely they
-fire is a measurement, not a test: `bench/emulator_overhead.py` and BENCHMARKS.md."""
+"""The timing event loops (`precise_loop`): the emulator's and the probe's busy-polling one keep
+asyncio's contract (timers never early, all of them, in order) and a long wait still wakes at
+once for I/O. How precisely they fire is a measurement, not a test (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import sys
 
 import pytest
 
-from disaggpool.emulator import precise_loop
+from disaggpool import precise_loop
+
+LOOPS = [precise_loop.new_event_loop, precise_loop.busy_poll_event_loop]
 
 
-def run(coro_fn):  # type: ignore[no-untyped-def]
-    with asyncio.Runner(loop_factory=precise_loop.new_event_loop) as runner:
+def run(factory, coro_fn):  # type: ignore[no-untyped-def]
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro_fn())
 
 
@@ -29,7 +31,8 @@ def test_linux_gets_the_precise_epoll_selector() -> None:
         sel.close()
 
 
-def test_timers_fire_in_order_and_never_early() -> None:
+@pytest.mark.parametrize("factory", LOOPS, ids=["precise", "busy_poll"])
+def test_timers_fire_in_order_and_never_early(factory) -> None:  # type: ignore[no-untyped-def]
     async def main() -> list[tuple[float, float]]:
         loop = asyncio.get_running_loop()
         fired: list[tuple[float, float]] = []
@@ -42,13 +45,14 @@ def test_timers_fire_in_order_and_never_early() -> None:
         await done
         return fired
 
-    fired = run(main)
+    fired = run(factory, main)
     assert [w for w, _ in fired] == sorted(w for w, _ in fired)
     assert len(fired) == 6
     assert all(at >= when for when, at in fired)
 
 
-def test_io_wakes_a_long_sleep_at_once() -> None:
+@pytest.mark.parametrize("factory", LOOPS, ids=["precise", "busy_poll"])
+def test_io_wakes_a_long_sleep_at_once(factory) -> None:  # type: ignore[no-untyped-def]
     async def main() -> bytes:
         loop = asyncio.get_running_loop()
         a, b = socket.socketpair()
@@ -62,4 +66,4 @@ def test_io_wakes_a_long_sleep_at_once() -> None:
             a.close()
             b.close()
 
-    assert run(main) == b"x"
+    assert run(factory, main) == b"x"

@@ -1,4 +1,6 @@
-"""An asyncio event loop whose timers fire within microseconds of their time, for the emulator.
+"""Event loops for timing: timers on time for the emulator, busy polling for the probe.
+
+**Timers on time** (`new_event_loop`, the emulator's loop).
 
 The emulator's engines wake on `loop.call_at` timers, so a timer's lateness is added to every
 token and every prefill a client sees. On Linux the default loop fires late three ways:
@@ -17,6 +19,14 @@ rest; with the thread's minimum slack lowered to 1 us (`prctl(PR_SET_TIMERSLACK)
 then collected with a non-blocking epoll poll. The loop's behaviour is otherwise unchanged.
 
 Elsewhere (kqueue on macOS and BSD: nanosecond timeouts already) the default selector is used.
+
+**Busy polling** (`busy_poll_event_loop`, the probe's loop when asked). A CPU that idles while a
+measurement is in flight wakes slowly when the answer comes: on a virtual machine, a process
+that slept 10-40 ms takes 0.1-0.4 ms longer to see a socket become readable than one that was
+running. The probe would add that to every latency it measures, the more the longer it waited,
+which reads as a larger KV-transfer setup time. `BusyPollSelector` never sleeps: it polls its
+descriptors without blocking until an event arrives or the timeout passes. It burns one core for
+as long as the loop runs, so it is for a measuring process on a CPU of its own only.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import selectors
 import sys
 import time
 
-__all__ = ["new_event_loop", "selector"]
+__all__ = ["BusyPollSelector", "busy_poll_event_loop", "new_event_loop", "selector"]
 
 _FD_SETSIZE = 1024  # select() cannot wait on a descriptor numbered above this
 _PR_SET_TIMERSLACK = 29
@@ -89,3 +99,19 @@ def selector() -> selectors.BaseSelector:
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop on `selector()` (pass as `asyncio.Runner(loop_factory=...)`)."""
     return asyncio.SelectorEventLoop(selector())
+
+
+class BusyPollSelector(selectors.DefaultSelector):
+    """A selector that polls instead of sleeping (see the module docstring)."""
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            ready = super().select(0)
+            if ready or (deadline is not None and time.monotonic() >= deadline):
+                return ready
+
+
+def busy_poll_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop on `BusyPollSelector` (pass as `asyncio.Runner(loop_factory=...)`)."""
+    return asyncio.SelectorEventLoop(BusyPollSelector())

@@ -1,0 +1,59 @@
+"""The probe's twin requests (`_Client.rejected`): the emulator refuses them as vLLM does, and a
+server that accepts them gets no more (a twin carrying KV coordinates would pull the real decode
+leg's blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from disaggpool.calibration.probe import ProbeConfig, _Client, _Pod
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.harness import EmulatorThread
+
+
+async def twice(url: str, *, discover: bool) -> tuple[float | None, float | None, bool]:
+    """Two twins in a row: their round trips, and whether the probe saw one accepted."""
+    async with aiohttp.ClientSession() as session:
+        client = _Client(session, ProbeConfig(endpoint=url))
+        pod = await client.discover(url) if discover else _Pod(url, "m", 4096, 1, 16)
+        first = await client.rejected(pod, client.prompt(32))
+        second = await client.rejected(pod, client.prompt(32))
+        return first, second, client.twins_accepted
+
+
+def test_the_emulator_rejects_twins_and_the_probe_times_them() -> None:
+    cfg = EmulatorConfig(builtin_profile("h100-llama3-8b"), port=0, side_channel_port=0)
+    with EmulatorThread(cfg) as emu:
+        first, second, accepted = asyncio.run(twice(emu.url, discover=True))
+        assert emu.call(lambda: emu.instance.active_requests) == 0  # nothing was queued
+    assert first is not None and second is not None and first > 0
+    assert not accepted
+
+
+def test_a_server_that_accepts_twins_gets_no_more() -> None:
+    hits: list[dict[str, object]] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        hits.append(await request.json())
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    async def run() -> tuple[float | None, float | None, bool]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            return await twice(f"http://127.0.0.1:{port}", discover=False)
+        finally:
+            await runner.cleanup()
+
+    first, second, accepted = asyncio.run(run())
+    assert (first, second, accepted) == (None, None, True)
+    assert len(hits) == 1 and hits[0]["min_tokens"] == 2  # the second call sent nothing
