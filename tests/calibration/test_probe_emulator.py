@@ -1,10 +1,10 @@
 """The probe against the emulator through real HTTP on loopback: it must recover the hidden
 true profile's dominant constants and predict held-out TTFT and TPOT.
 
-What is asserted is what holds with the default 60 s budget and the emulator in the probe's own
-process (they share the GIL, which costs precision): the dominant constants and the held-out
-errors. Every constant's error, with the emulators as their own processes as a pod would be, is
-measured by `bench/probe_accuracy.py` and recorded in BENCHMARKS.md.
+With the default 60 s budget and the emulators in the probe's own process (they share the GIL,
+which costs precision) every constant must come within 20% and the held-out errors under 10%.
+With the emulators as their own processes, as pods would be, `bench/probe_accuracy.py` measures
+every constant within 10% (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -52,13 +52,27 @@ def test_probe_recovers_the_hidden_profile(true: CalibrationProfile) -> None:
     got = result.profile
     report = result.report
     assert got.quality in ("good", "fair"), got.notes
-    assert got.ttft_mape is not None and got.ttft_mape < 0.15
-    assert got.tpot_mape is not None and got.tpot_mape < 0.15
+    assert got.ttft_mape is not None and got.ttft_mape < 0.10
+    assert got.tpot_mape is not None and got.tpot_mape < 0.10
     assert got.kv_capacity_tokens == true.kv_capacity_tokens
     assert got.block_size == true.block_size
-    # The dominant constants. Per-constant errors of all of them: bench/probe_accuracy.py.
-    assert close(got.prefill.p1, true.prefill.p1, 0.20), report["fits"]["prefill"]
-    assert close(got.decode.d0, true.decode.d0, 0.20), report["fits"]["decode"]
+    # Every constant, within twice the issue's 10%: sharing the interpreter costs precision
+    # (bench/probe_accuracy.py --threads: at most 7.6% here), and a loaded CI host more.
+    pairs = {
+        "p0": (got.prefill.p0, true.prefill.p0),
+        "p1": (got.prefill.p1, true.prefill.p1),
+        "p2": (got.prefill.p2, true.prefill.p2),
+        "d0": (got.decode.d0, true.decode.d0),
+        "d1": (got.decode.d1, true.decode.d1),
+        "d2": (got.decode.d2, true.decode.d2),
+        "k0": (got.kv_transfer.k0, true.kv_transfer.k0),
+        "bandwidth": (
+            got.kv_transfer.bandwidth_bytes_per_s,
+            true.kv_transfer.bandwidth_bytes_per_s,
+        ),
+    }
+    off = {k: f"{g / t - 1:+.1%}" for k, (g, t) in pairs.items() if not close(g, t, 0.20)}
+    assert not off, (off, report["fits"])
     assert report["samples"]["transfer"] >= 6
     # The request path's own cost came from rejected twins, and grows with the prompt.
     assert report["http_overhead"]["from"] == "rejected twin requests"
