@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import itertools
 import math
 import random
 import re
@@ -49,11 +50,12 @@ Progress = Callable[[str, int, int], None]
 # Budget shares of the stages (the rest is discovery and fitting).
 PREFILL_SHARE = 0.30
 TRANSFER_SHARE = 0.20  # the decode stage has the rest, up to 95% of the budget
+HARD_STOP = 1.25  # a stage short of samples may run on to this share of the budget, no further
 DECODE_TOKENS = 24  # tokens per stream in the decode stage
 DECODE_PASSES = 8  # most passes through the decode grid (fewer when the budget runs out)
 DECODE_JOIN_SHARE = 0.1  # most of the decode stage one run may spend prefilling its prompts
-PREFILL_PASSES = 12  # most passes through the prefill grid
-TRANSFER_PASSES = 8  # most passes through the KV-transfer grid
+PREFILL_PASSES = 24  # most passes through the prefill grid
+TRANSFER_PASSES = 16  # most passes through the KV-transfer grid
 TOKEN_IDS = range(100, 400)  # valid ids for any vocabulary of 512 tokens or more
 
 
@@ -93,6 +95,21 @@ class _Pod:
     max_model_len: int
     kv_capacity_tokens: int
     block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    """When a stage stops: at `soft` once it has the samples a fit needs, at `hard` regardless
+    (a pod too slow, or a probe too starved of CPU, to give them in time must not hold the Job;
+    the fit then says there are too few)."""
+
+    soft: float
+    hard: float
+    need: int
+
+    def due(self, have: int) -> bool:
+        now = time.perf_counter()
+        return now > self.hard or (now > self.soft and have >= self.need)
 
 
 _INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
@@ -241,7 +258,7 @@ class _Client:
 async def _prefill_stage(
     client: _Client,
     pod: _Pod,
-    deadline: float,
+    stop: _Stop,
     progress: Progress | None,
     overheads: list[fit.OverheadSample],
 ) -> list[fit.PrefillSample]:
@@ -257,7 +274,7 @@ async def _prefill_stage(
         plan += grid
     samples: list[fit.PrefillSample] = []
     for i, n in enumerate(plan):
-        if time.perf_counter() > deadline and len(samples) >= 8:
+        if stop.due(len(samples)):
             break
         prompt = client.prompt(n)
         overhead = await client.rejected(pod, prompt)
@@ -287,7 +304,7 @@ async def _decode_stage(
     client: _Client,
     pod: _Pod,
     cfg: ProbeConfig,
-    deadline: float,
+    stop: _Stop,
     progress: Progress | None,
     prefill_time: Callable[[int], float],
 ) -> list[fit.DecodeSample]:
@@ -297,7 +314,7 @@ async def _decode_stage(
     # A run first prefills its B prompts, which at long contexts and large batches costs more
     # than everything else (64 prompts of 1536 tokens: 14 s on an A40). Such a run is left
     # out when that would take more than a tenth of the stage: repeats of the others buy more.
-    stage = max(deadline - time.perf_counter(), 0.0)
+    stage = max(stop.soft - time.perf_counter(), 0.0)
     grid = [
         (b, c)
         for b in batches
@@ -309,7 +326,7 @@ async def _decode_stage(
     plan = grid * DECODE_PASSES
     samples: list[fit.DecodeSample] = []
     for i, (b, ctx) in enumerate(plan):
-        if time.perf_counter() > deadline and len(samples) >= 6:
+        if stop.due(len(samples)):
             break
         runs = await asyncio.gather(*(client.stream(pod, ctx, DECODE_TOKENS) for _ in range(b)))
         # Only the window in which all B streams decode: before the last one joined, steps also
@@ -321,7 +338,7 @@ async def _decode_stage(
         rates = []
         for t in runs:
             inside = [x for x in t[1:] if joined <= x <= leaving]
-            if len(inside) >= 4:
+            if len(inside) >= 4 and _read_as_sent(t, inside):
                 rates.append((inside[-1] - inside[0]) / (len(inside) - 1))
         if rates:
             rates.sort()
@@ -332,11 +349,29 @@ async def _decode_stage(
     return samples
 
 
+def _read_as_sent(stream: list[float], inside: list[float]) -> bool:
+    """Whether the chunks of a stream (send time, then arrivals) that fall in the measuring
+    window (`inside`) reached the probe spread out as they were sent, one per step.
+
+    A probe starved of CPU (a contended host) reads a stream's chunks from its socket in bursts,
+    and then their arrival times say nothing about the steps. Two signs: most gaps are
+    microseconds and a few long (a decoding stream's gaps are all about one step, so their
+    median is near their mean); or the whole window went by in a flash, its time per token a
+    tenth or less of the request's own time per token.
+    """
+    gaps = [b - a for a, b in itertools.pairwise(inside)]
+    per_token = (stream[-1] - stream[0]) / (len(stream) - 1)
+    return (
+        statistics.median(gaps) >= 0.25 * statistics.fmean(gaps)
+        and statistics.fmean(gaps) > 0.1 * per_token
+    )
+
+
 async def _transfer_stage(
     client: _Client,
     pod: _Pod,
     peer: _Pod,
-    deadline: float,
+    stop: _Stop,
     progress: Progress | None,
     overheads: list[fit.OverheadSample],
 ) -> list[fit.TransferSample]:
@@ -351,7 +386,7 @@ async def _transfer_stage(
         plan += grid
     samples: list[fit.TransferSample] = []
     for i, n in enumerate(plan):
-        if time.perf_counter() > deadline and len(samples) >= 6:
+        if stop.due(len(samples)):
             break
         request_id = f"probe-xfer-{i}-{client.rng.getrandbits(32):08x}"
         prompt = client.prompt(n)
@@ -396,10 +431,13 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         peer = await client.discover(cfg.peer.rstrip("/")) if cfg.peer else None
         budget = cfg.budget_s
         overheads: list[fit.OverheadSample] = []
+        hard = start + HARD_STOP * budget
+
+        def stop(share: float, need: int) -> _Stop:
+            return _Stop(start + share * budget, hard, need)
+
         try:
-            pre = await _prefill_stage(
-                client, pod, start + PREFILL_SHARE * budget, progress, overheads
-            )
+            pre = await _prefill_stage(client, pod, stop(PREFILL_SHARE, 8), progress, overheads)
             # The KV transfer before the decode stage, whose grid never runs short of work:
             # time the other stages leave over goes to it.
             xfer = (
@@ -407,7 +445,7 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
                     client,
                     pod,
                     peer,
-                    start + (PREFILL_SHARE + TRANSFER_SHARE) * budget,
+                    stop(PREFILL_SHARE + TRANSFER_SHARE, 6),
                     progress,
                     overheads,
                 )
@@ -415,7 +453,7 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
                 else []
             )
             dec = await _decode_stage(
-                client, pod, cfg, start + (1 - 0.05) * budget, progress, _interpolated(pre)
+                client, pod, cfg, stop(1 - 0.05, 6), progress, _interpolated(pre)
             )
             if len(overheads) >= 4:
                 path = "rejected twin requests"
@@ -480,6 +518,12 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
         },
         "budget_s": cfg.budget_s,
         "samples": {"prefill": len(pre), "decode": len(dec), "transfer": len(xfer)},
+        # What was fitted (TTFTs net of the request path), for anyone who doubts a fit.
+        "measurements": {
+            "prefill": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in pre],
+            "decode": [[s.batch, s.context_tokens, round(s.itl_s, 6)] for s in dec],
+            "transfer": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in xfer],
+        },
         "fits": {
             "prefill": pre_fit.as_dict(),
             "decode": dec_fit.as_dict(),

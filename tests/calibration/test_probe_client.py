@@ -1,6 +1,6 @@
-"""The probe's twin requests (`_Client.rejected`): the emulator refuses them as vLLM does, and a
-server that accepts them gets no more (a twin carrying KV coordinates would pull the real decode
-leg's blocks)."""
+"""Pieces of the probe's client: twin requests (`_Client.rejected`), which the emulator refuses as
+vLLM does and which a server that accepts them gets no more of (a twin carrying KV coordinates
+would pull the real decode leg's blocks); and the filter that drops streams read in bursts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from disaggpool.calibration.probe import ProbeConfig, _Client, _Pod
+from disaggpool.calibration.probe import ProbeConfig, _Client, _Pod, _read_as_sent
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
@@ -57,3 +57,15 @@ def test_a_server_that_accepts_twins_gets_no_more() -> None:
     first, second, accepted = asyncio.run(run())
     assert (first, second, accepted) == (None, None, True)
     assert len(hits) == 1 and hits[0]["min_tokens"] == 2  # the second call sent nothing
+
+
+def test_streams_read_in_bursts_are_not_timed() -> None:
+    # Sent at 0, first token after a 30 ms prefill, then one chunk per 10 ms step.
+    steady = [0.0, *(0.030 + 0.010 * i + 0.0003 * (i % 3) for i in range(24))]
+    assert _read_as_sent(steady, steady[3:20])
+    # A starved reader: a few chunks, then the rest in one go after a long stall.
+    bursty = [0.0, 0.030, 0.040, 0.050, *(0.250 + 4e-6 * i for i in range(21))]
+    assert not _read_as_sent(bursty, bursty[2:20])
+    # All of it read at once at the end: evenly spaced, but by microseconds.
+    at_once = [0.0, *(0.270 + 4e-6 * i for i in range(24))]
+    assert not _read_as_sent(at_once, at_once[3:20])
