@@ -69,3 +69,20 @@ def test_streams_read_in_bursts_are_not_timed() -> None:
     # All of it read at once at the end: evenly spaced, but by microseconds.
     at_once = [0.0, *(0.270 + 4e-6 * i for i in range(24))]
     assert not _read_as_sent(at_once, at_once[3:20])
+
+
+def test_the_servers_inter_token_histogram_is_read() -> None:
+    cfg = EmulatorConfig(builtin_profile("h100-llama3-8b"), port=0, side_channel_port=0)
+
+    async def run(url: str) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+        async with aiohttp.ClientSession() as session:
+            client = _Client(session, ProbeConfig(endpoint=url))
+            pod = await client.discover(url)
+            before = await client.itl_totals(pod)
+            await client.stream(pod, 16, 6)
+            return before, await client.itl_totals(pod)
+
+    with EmulatorThread(cfg) as emu:
+        before, after = asyncio.run(run(emu.url))
+    assert before is None  # nothing observed yet
+    assert after is not None and after[1] == 5 and after[0] > 0  # 6 tokens, 5 gaps

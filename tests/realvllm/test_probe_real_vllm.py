@@ -20,7 +20,7 @@ from disaggpool.calibration.probe import ProbeConfig, run_probe
 from disaggpool.formats.profiles import dump_profile
 
 # The probe uses nearly all of it, and the P/D pair shares the two cores meanwhile.
-BUDGET_S = 30.0
+BUDGET_S = 20.0
 
 
 def test_probe_fits_a_real_engine(single_engine: Any) -> None:

@@ -112,6 +112,7 @@ class _Stop:
         return now > self.hard or (now > self.soft and have >= self.need)
 
 
+_ITL = re.compile(r"^vllm:inter_token_latency_seconds_(sum|count)(?:\{[^}]*\})? (\S+)", re.M)
 _INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -236,6 +237,18 @@ class _Client:
                     times.append(time.perf_counter())
         return times
 
+    async def itl_totals(self, pod: _Pod) -> tuple[float, float] | None:
+        """(sum, count) of the server's own `vllm:inter_token_latency_seconds` histogram."""
+        try:
+            async with self.session.get(f"{pod.url}/metrics") as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        totals = {"sum": 0.0, "count": 0.0}
+        for kind, value in _ITL.findall(text):
+            totals[kind] += float(value)
+        return (totals["sum"], totals["count"]) if totals["count"] else None
+
     async def prefill_leg(self, pod: _Pod, prompt: list[int], request_id: str) -> dict[str, Any]:
         body = {
             "model": pod.model,
@@ -307,7 +320,8 @@ async def _decode_stage(
     stop: _Stop,
     progress: Progress | None,
     prefill_time: Callable[[int], float],
-) -> list[fit.DecodeSample]:
+) -> tuple[list[fit.DecodeSample], int]:
+    """(samples, how many of them the server's histogram timed: see below)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs]
     # Two context lengths far apart separate the per-sequence and per-context-token costs.
     contexts = [c for c in (32, 1536) if c + DECODE_TOKENS < pod.max_model_len]
@@ -325,9 +339,11 @@ async def _decode_stage(
     # Through the grid again and again while the budget lasts: step noise averages out.
     plan = grid * DECODE_PASSES
     samples: list[fit.DecodeSample] = []
+    server_timed = 0
     for i, (b, ctx) in enumerate(plan):
         if stop.due(len(samples)):
             break
+        before = await client.itl_totals(pod)
         runs = await asyncio.gather(*(client.stream(pod, ctx, DECODE_TOKENS) for _ in range(b)))
         # Only the window in which all B streams decode: before the last one joined, steps also
         # carried prefill work; after the first one finished, the batch was smaller. Per stream,
@@ -340,13 +356,22 @@ async def _decode_stage(
             inside = [x for x in t[1:] if joined <= x <= leaving]
             if len(inside) >= 4 and _read_as_sent(t, inside):
                 rates.append((inside[-1] - inside[0]) / (len(inside) - 1))
+        context = b * (ctx + DECODE_TOKENS / 2)
         if rates:
             rates.sort()
-            itl = rates[len(rates) // 2]
-            samples.append(fit.DecodeSample(b, b * (ctx + DECODE_TOKENS / 2), itl))
+            samples.append(fit.DecodeSample(b, context, rates[len(rates) // 2]))
+        else:
+            # The probe could not time any stream itself: the server's own inter-token
+            # histogram over the run instead (its join steps, which carried prefill work, make
+            # it read a little high; the held-out error says how much that matters).
+            after = await client.itl_totals(pod)
+            if before and after and after[1] > before[1]:
+                itl = (after[0] - before[0]) / (after[1] - before[1])
+                samples.append(fit.DecodeSample(b, context, itl))
+                server_timed += 1
         if progress:
             progress("decode", i + 1, len(plan))
-    return samples
+    return samples, server_timed
 
 
 def _read_as_sent(stream: list[float], inside: list[float]) -> bool:
@@ -452,7 +477,7 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
                 if peer
                 else []
             )
-            dec = await _decode_stage(
+            dec, server_timed = await _decode_stage(
                 client, pod, cfg, stop(1 - 0.05, 6), progress, _interpolated(pre)
             )
             if len(overheads) >= 4:
@@ -517,7 +542,12 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
             "samples": len(overheads),
         },
         "budget_s": cfg.budget_s,
-        "samples": {"prefill": len(pre), "decode": len(dec), "transfer": len(xfer)},
+        "samples": {
+            "prefill": len(pre),
+            "decode": len(dec),
+            "decode_timed_by_server": server_timed,
+            "transfer": len(xfer),
+        },
         # What was fitted (TTFTs net of the request path), for anyone who doubts a fit.
         "measurements": {
             "prefill": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in pre],
