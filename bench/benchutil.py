@@ -19,8 +19,11 @@ from typing import Any
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
+from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim import capacity, paper
+from disaggpool.sim import capacity
+from disaggpool.sim.paper_config import PaperConfig
+from disaggpool.sim.paper_traces import mixed_trace
 
 #: The nominal profile of the paper pool (Llama-3-8B on A40).
 PROFILE = "a40-llama3-8b"
@@ -116,12 +119,12 @@ def paper_inputs() -> tuple[
 ]:
     """Mixed trace 0 of `sim paper`, its predictor history, its SLO classes, the raw services.
 
-    The SLO classes are derived exactly as `paper.make_setup` derives them (from all three mixed
-    traces), so they equal the paper's targets.
+    The SLO classes are derived exactly as `paper_setup.make_setup` derives them (from all three
+    mixed traces), so they equal the paper's targets.
     """
-    cfg = paper.PaperConfig()
-    services = paper.azure_services()
-    pairs = [paper.mixed_trace(services, k, cfg) for k in range(3)]
+    cfg = PaperConfig()
+    services = azure_services()
+    pairs = [mixed_trace(services, k, cfg) for k in range(3)]
     slo = capacity.slo_targets(builtin_profile(PROFILE), [r for t, _ in pairs for r in t])
     trace, history = pairs[0]
     return trace, history, slo, services

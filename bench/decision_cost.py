@@ -50,8 +50,8 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import Policy
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.stats import percentile
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim import metrics
 from disaggpool.sim.pools import build_pool
 
 POLICIES = ("round_robin", "least_loaded", "length", "calibrated")
@@ -220,7 +220,7 @@ def measure(quick: bool) -> dict[str, Any]:
                     "calls": len(s),
                     "mean_us": mean / 1e3,
                     "p50_us": p50 / 1e3,
-                    "p99_us": metrics.percentile(s, 99) / 1e3,
+                    "p99_us": percentile(s, 99) / 1e3,
                     "x_round_robin_mean": mean / rr_mean,
                     "x_round_robin_p50": p50 / rr_p50,
                     "cpu_share": cpu_share,

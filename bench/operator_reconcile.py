@@ -34,7 +34,7 @@ from operator_testkit import CRD_PATH, load_sample, ready_pod_status  # noqa: E4
 from benchutil import cpu_model  # noqa: E402
 from disaggpool.calibration import sinks  # noqa: E402
 from disaggpool.core.hardware import builtin_profile  # noqa: E402
-from disaggpool.operator.kube import Kube  # noqa: E402
+from disaggpool.kubeclient import Kube  # noqa: E402
 from disaggpool.operator.reconcile import reconcile  # noqa: E402
 
 

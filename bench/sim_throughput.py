@@ -4,7 +4,7 @@ What it measures
 ----------------
 1. **Throughput.** The paper pool: 8 A40 GPUs running Llama-3-8B, 5 prefill + 3 decode instances
    (``build_pool(5, 3, builtin_profile("a40-llama3-8b"), seed=1)``), fed the embedded Azure 2023
-   conversation + code mixed trace 0 of ``sim paper`` (``paper.mixed_trace(services, 0,
+   conversation + code mixed trace 0 of ``sim paper`` (``paper_traces.mixed_trace(services, 0,
    PaperConfig())``: 12 minutes of both services, real lengths clipped to 7168/1024 tokens, Gamma
    arrivals with CV 2) rescaled with ``workload.rescale`` to 16 req/s, about the rate at which
    round-robin attains 0.85 goodput (the paper operating point, 14.6-16.2 req/s). For each policy
@@ -50,9 +50,10 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim import paper, workload
+from disaggpool.sim import workload
 from disaggpool.sim.cluster import Simulation
 from disaggpool.sim.metrics import summarize
+from disaggpool.sim.paper_config import PaperConfig
 from disaggpool.sim.pools import build_pool
 
 POLICIES = ("round_robin", "least_loaded", "length", "calibrated")
@@ -148,7 +149,7 @@ def throughput(quick: bool, rate: float = RATE_RPS, reps: int | None = None) -> 
 
 
 def _hour_trace(services: dict[str, list[TraceRequest]], duration_s: float) -> list[TraceRequest]:
-    cfg = paper.PaperConfig()
+    cfg = PaperConfig()
     merged = workload.merge(*services.values())
     if duration_s < 3600:
         merged = workload.window(merged, 0.0, duration_s)

@@ -8,11 +8,12 @@ py=${PYTHON:-.venv/bin/python}
 mapfile -t protos < <(cd protos && find . -name '*.proto' | sed 's|^\./||' | sort)
 "$py" -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" \
   --grpc_python_out="$out" "${protos[@]}"
-# Packages for the generated modules (protoc writes none).
+# Packages for the generated modules (protoc writes none), each with a docstring saying so.
 for p in "${protos[@]}"; do
   d=$(dirname "$p")
   while [ "$d" != "." ] && [ "$d" != "disaggpool" ]; do
-    [ -f "$out/$d/__init__.py" ] || : > "$out/$d/__init__.py"
+    printf '"""Generated from protos/%s by scripts/gen_protos.sh: do not edit."""\n' "$d" \
+      > "$out/$d/__init__.py"
     d=$(dirname "$d")
   done
 done

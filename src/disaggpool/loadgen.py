@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 
 from disaggpool.core.contracts import SLOClass
+from disaggpool.core.stats import percentile
 from disaggpool.errors import InputError
 from disaggpool.formats.traces import TraceRequest, read_trace
-from disaggpool.sim.metrics import percentile
 
 __all__ = ["LoadReport", "RequestResult", "register", "replay"]
 

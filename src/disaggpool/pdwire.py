@@ -1,8 +1,8 @@
-"""What a client of vLLM's prefill/decode protocol sends (`vllm-pd-protocol.md` §2.1).
+"""What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1).
 
 The prefill leg carries these `kv_transfer_params`, exactly as vLLM's reference proxy and llm-d's
 sidecar send them; the decode leg carries the prefill answer's `kv_transfer_params` unchanged.
-Used by the front door (`sidecar.frontdoor`), the probe (`calibration.probe`) and the benchmarks.
+Used by the front door (`sidecar.frontdoor`), the probe (`calibration.client`) and the benchmarks.
 """
 
 from __future__ import annotations

@@ -42,41 +42,39 @@ def test_prefill_prices_foreign_waiting_requests_at_this_length() -> None:
 
 
 def test_idle_decode_instance() -> None:
-    act, ttft, tpot, harm, slo_harm = costmodel.decode_estimate(
-        request(), InstanceSnapshot("d", "decode"), PROFILE, 0.5
-    )
+    est = costmodel.decode_estimate(request(), InstanceSnapshot("d", "decode"), PROFILE, 0.5)
     # batch of one; mean context 500 + 100/2 = 550
     tau = 0.02 + 0.001 * 1 + 1e-6 * 550
-    assert tpot == pytest.approx(tau)
-    assert ttft == pytest.approx(0.5 + 0.002 + 500 * 1000 / 1e6 + tau)
-    assert harm == 0.0 and slo_harm == 0
-    assert act == pytest.approx(100 * tau)
+    assert est.tpot_s == pytest.approx(tau)
+    assert est.ttft_s == pytest.approx(0.5 + 0.002 + 500 * 1000 / 1e6 + tau)
+    assert est.harm_s == 0.0 and est.slo_harm == 0
+    assert est.act_s == pytest.approx(100 * tau)
 
 
 def test_busy_instance_adds_slowdown_imposed_on_others() -> None:
     inst = InstanceSnapshot(
         "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
     )
-    act, _, tpot, harm, _ = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     # r_bar = 100, growth = 50, batch 5: context 4000 + 500 + 5 * 50
     tau = 0.02 + 0.001 * 5 + 1e-6 * 4750
-    assert tpot == pytest.approx(tau)
+    assert est.tpot_s == pytest.approx(tau)
     # each of the 4 others is slowed by d1 + d2 * (n + o/2) for the 100 steps they overlap
-    assert harm == pytest.approx(4 * (0.001 + 1e-6 * 550) * 100)
-    assert act == pytest.approx(100 * tau + harm)
+    assert est.harm_s == pytest.approx(4 * (0.001 + 1e-6 * 550) * 100)
+    assert est.act_s == pytest.approx(100 * tau + est.harm_s)
 
 
 def test_full_batch_waits_for_completions() -> None:
     inst = InstanceSnapshot(
         "d", "decode", running=8, kv_tokens_used=8000, remaining_output_tokens=800.0
     )
-    act, ttft, tpot, _, _ = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     tau = 0.02 + 0.001 * 8 + 1e-6 * (8000 + 500 + 8 * 50)
     # one sequence must finish: r_bar (100) steps of tau each, shared among the 8 running
     wait = 1 * 100 * tau / 8
-    assert tpot == pytest.approx(tau)
-    assert ttft == pytest.approx(0.002 + 0.5 + wait + tau)
-    assert act > 100 * tau + wait - 1e-12
+    assert est.tpot_s == pytest.approx(tau)
+    assert est.ttft_s == pytest.approx(0.002 + 0.5 + wait + tau)
+    assert est.act_s > 100 * tau + wait - 1e-12
 
 
 def test_kv_pressure_adds_preemption_penalty() -> None:
@@ -86,14 +84,10 @@ def test_kv_pressure_adds_preemption_penalty() -> None:
     tight = InstanceSnapshot(
         "d", "decode", running=4, kv_tokens_used=97_000, remaining_output_tokens=400.0
     )
-    act_roomy, _, tpot_roomy, _, _ = costmodel.decode_estimate(
-        request(sigma=50), roomy, PROFILE, 0.0
-    )
-    act_tight, _, tpot_tight, _, _ = costmodel.decode_estimate(
-        request(sigma=50), tight, PROFILE, 0.0
-    )
-    assert act_tight > act_roomy
-    assert tpot_tight > tpot_roomy
+    easy = costmodel.decode_estimate(request(sigma=50), roomy, PROFILE, 0.0)
+    hard = costmodel.decode_estimate(request(sigma=50), tight, PROFILE, 0.0)
+    assert hard.act_s > easy.act_s
+    assert hard.tpot_s > easy.tpot_s
 
 
 def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
@@ -108,6 +102,6 @@ def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
         remaining_output_tokens=400.0,
         tpot_targets=((tau_before / 2, 1), (between, 2), (1.0, 1)),
     )
-    *_, slo_harm = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     # the first is late anyway, the last has room: only the two between are pushed over
-    assert slo_harm == 2
+    assert est.slo_harm == 2

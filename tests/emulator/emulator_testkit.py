@@ -1,4 +1,5 @@
-"""Helpers of the emulator tests: a tiny HTTP/SSE client, a predictable profile, metric lookup.
+"""Helpers of the emulator tests: a tiny HTTP/SSE client, a predictable profile, metric lookup,
+and `eventually`, which waits for a condition instead of sleeping and hoping.
 
 Every test talks to the emulator through real HTTP on 127.0.0.1 (and, for P/D, through the real
 TCP side channel between two instances), never by calling handlers directly. (A module with a
@@ -12,6 +13,7 @@ import dataclasses
 import http.client as httpclient
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -159,3 +161,18 @@ def sample(families: dict[str, Any], name: str, **labels: str) -> float:
     ]
     assert len(hits) == 1, (name, labels, hits)
     return float(hits[0])
+
+
+def eventually(check: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Run `check` until it passes (returns without an AssertionError), at most `timeout` s; the
+    last failure is raised. A state the server reaches asynchronously is waited for, never
+    assumed after a fixed sleep (which a loaded machine overruns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(interval)

@@ -8,12 +8,12 @@ import time
 from typing import Any
 
 import pytest
-from emulator_testkit import H100, Http, sample
+from emulator_testkit import H100, Http, eventually, sample
 
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.emulator.metrics import ITL_BUCKETS, TTFT_BUCKETS
-from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.wordtokenizer import Tokenizer
 
 MODEL = H100.model
 
@@ -264,10 +264,13 @@ def test_running_gauge_and_kv_usage_while_busy(start_emulator: Any, http: Http) 
         )
     )
     thread.start()
-    time.sleep(0.08)
-    fams = http.metrics(emu.url)
-    assert sample(fams, "vllm:num_requests_running") == 1
-    assert sample(fams, "vllm:kv_cache_usage_perc") > 0
+
+    def busy() -> None:
+        fams = http.metrics(emu.url)
+        assert sample(fams, "vllm:num_requests_running") == 1
+        assert sample(fams, "vllm:kv_cache_usage_perc") > 0
+
+    eventually(busy)
     thread.join()
     assert results == [200]
     assert sample(http.metrics(emu.url), "vllm:num_requests_running") == 0
@@ -294,6 +297,8 @@ def test_startup_delay_refuses_connections(http: Http) -> None:
     starter = threading.Thread(target=emu.start)
     starter.start()
     try:
+        # The sleep is the thing under test: 0.2 s into its 0.6 s startup delay, the emulator
+        # is running but must not listen yet.
         time.sleep(0.2)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from typing import Any
 
 import pytest
-from emulator_testkit import Http, make_profile
+from emulator_testkit import Http, eventually, make_profile, sample
 
 from disaggpool.emulator.harness import EmulatorThread
 
@@ -200,15 +199,25 @@ def test_queue_limit_is_503(start_emulator: Any, http: Http) -> None:
         statuses.append(http.post(emu.url + COMPLETIONS, {"prompt": "x", "max_tokens": 4}).status)
 
     threads = [threading.Thread(target=call) for _ in range(2)]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
-        time.sleep(0.05)
+        # The first request runs, the second waits: each state reached before the next call.
+        eventually(lambda i=i: _running_waiting(http, emu.url, (1, i)))
     err = _error(http.post(emu.url + COMPLETIONS, {"prompt": "x", "max_tokens": 1}), 503)
     assert err["type"] == "ServiceUnavailableError"
     for t in threads:
         t.join()
     assert statuses == [200, 200]
     assert http.post(emu.url + COMPLETIONS, {"prompt": "x", "max_tokens": 1}).status == 200
+
+
+def _running_waiting(http: Http, url: str, expected: tuple[int, int]) -> None:
+    fams = http.metrics(url)
+    got = (
+        sample(fams, "vllm:num_requests_running"),
+        sample(fams, "vllm:num_requests_waiting"),
+    )
+    assert got == expected
 
 
 def test_extra_fields_are_accepted(emu: EmulatorThread, http: Http) -> None:

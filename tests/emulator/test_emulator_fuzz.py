@@ -201,16 +201,16 @@ def test_fuzz_every_endpoint(fuzz_emu: EmulatorThread, http: Http) -> None:
         state = emu.call(
             lambda: (
                 emu.instance.active_requests,
-                len(emu.instance.leases),
-                emu.instance.pool.num_free,
+                len(emu.instance.lending.leases),
+                emu.instance.lending.pool.num_free,
                 emu.instance.prefill.engine.kv_used,
                 emu.instance.decode.engine.idle,
             )
         )
-        if state == (0, 0, emu.instance.pool.total, 0, True):
+        if state == (0, 0, emu.instance.lending.pool.total, 0, True):
             break
         time.sleep(0.05)
-    assert state == (0, 0, emu.instance.pool.total, 0, True)
+    assert state == (0, 0, emu.instance.lending.pool.total, 0, True)
     fams = http.metrics(emu.url)
     assert sample(fams, "vllm:kv_cache_usage_perc") == 0
     assert sample(fams, "vllm:num_requests_running") == 0

@@ -7,11 +7,11 @@ leak nothing.
 
 from __future__ import annotations
 
+import json
 import socket
-import time
 from typing import Any
 
-from emulator_testkit import Http, make_profile, sample
+from emulator_testkit import Http, eventually, make_profile, sample
 
 from disaggpool.emulator.harness import EmulatorThread
 
@@ -33,18 +33,6 @@ def _hang_up_after(url: str, path: str, body: bytes, wait_bytes: int) -> None:
             got += chunk
 
 
-def _eventually(check: Any, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            check()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
 def _idle(emu: EmulatorThread, http: Http, aborted: int) -> None:
     fams = http.metrics(emu.url)
     assert sample(fams, "vllm:num_requests_running") == 0
@@ -54,11 +42,15 @@ def _idle(emu: EmulatorThread, http: Http, aborted: int) -> None:
     assert emu.call(lambda: emu.instance.active_requests) == 0
 
 
+def _assert_running(emu: EmulatorThread, http: Http, n: int) -> None:
+    assert sample(http.metrics(emu.url), "vllm:num_requests_running") == n
+
+
 def test_streaming_client_hangs_up(start_emulator: Any, http: Http) -> None:
     emu = start_emulator()
     body = b'{"prompt": "x", "max_tokens": 500, "stream": true}'
     _hang_up_after(emu.url, "/v1/completions", body, 400)  # headers and a token or two
-    _eventually(lambda: _idle(emu, http, aborted=1))
+    eventually(lambda: _idle(emu, http, aborted=1))
 
 
 def test_non_streaming_client_hangs_up(start_emulator: Any, http: Http) -> None:
@@ -66,7 +58,7 @@ def test_non_streaming_client_hangs_up(start_emulator: Any, http: Http) -> None:
     _hang_up_after(emu.url, "/v1/completions", b'{"prompt": "x", "max_tokens": 500}', 0)
     # vLLM notices a non-streaming client is gone only at its next output; under CPU pressure
     # the request may not even be running yet, so either state is fine before it is aborted.
-    _eventually(lambda: _idle(emu, http, aborted=1))
+    eventually(lambda: _idle(emu, http, aborted=1))
 
 
 def test_abandoned_prefill_leg_frees_its_blocks(start_emulator: Any, http: Http) -> None:
@@ -77,13 +69,15 @@ def test_abandoned_prefill_leg_frees_its_blocks(start_emulator: Any, http: Http)
 
     def check() -> None:
         _idle(p, http, aborted=2)
-        assert p.call(lambda: (len(p.instance.leases), p.instance.pool.num_free)) == (
+        assert p.call(
+            lambda: (len(p.instance.lending.leases), p.instance.lending.pool.num_free)
+        ) == (
             0,
-            p.instance.pool.total,
+            p.instance.lending.pool.total,
         )
         assert p.call(lambda: p.instance.prefill.engine.kv_used) == 0
 
-    _eventually(check)
+    eventually(check)
 
 
 def test_dropped_decode_leg_notifies_the_prefill_side(start_emulator: Any, http: Http) -> None:
@@ -91,20 +85,21 @@ def test_dropped_decode_leg_notifies_the_prefill_side(start_emulator: Any, http:
     d = start_emulator(make_profile(max_num_seqs=1, decode={"d0": 0.05}))
     leg = {"prompt": "x y z", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     kv = http.post(p.url + "/v1/completions", leg).json()["kv_transfer_params"]
-    assert p.call(lambda: len(p.instance.leases)) == 1
+    assert p.call(lambda: len(p.instance.lending.leases)) == 1
     _hang_up_after(d.url, "/v1/completions", b'{"prompt": "x", "max_tokens": 20}', 0)
-    time.sleep(0.05)  # D's only slot is busy: the decode leg below waits in the queue
-    import json
-
+    # D's only slot is busy, so the decode leg below waits in the queue.
+    eventually(lambda: _assert_running(d, http, 1))
     body = json.dumps({"prompt": "x y z", "kv_transfer_params": kv}).encode()
     _hang_up_after(d.url, "/v1/completions", body, 0)
 
     def check() -> None:
-        assert p.call(lambda: (len(p.instance.leases), p.instance.pool.num_free)) == (
+        assert p.call(
+            lambda: (len(p.instance.lending.leases), p.instance.lending.pool.num_free)
+        ) == (
             0,
-            p.instance.pool.total,
+            p.instance.lending.pool.total,
         )
         _idle(d, http, aborted=2)
 
-    _eventually(check)
+    eventually(check)
     assert sample(http.metrics(p.url), "vllm:nixl_num_kv_expired_reqs_total") == 0

@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import pytest
-from emulator_testkit import H100, Http, make_profile, sample
+from emulator_testkit import H100, Http, eventually, make_profile, sample
 
 from disaggpool.emulator.harness import EmulatorThread
-from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.wordtokenizer import Tokenizer
 
 PROMPT = "a prompt of exactly twelve words for the prefill leg to chew on"
 N_PROMPT = len(Tokenizer().encode(PROMPT)) + 1  # BOS
@@ -51,7 +51,7 @@ V33_KEYS = [
 def prefill_leg(
     http: Http, p: EmulatorThread, path: str, body: dict[str, Any], rid: str
 ) -> dict[str, Any]:
-    """What the proxy sends P: the body with the P-leg changes of vllm-pd-protocol.md 2.1."""
+    """What the proxy sends P: the body with the P-leg changes of docs/vllm-protocol.md §2.1."""
     leg = {**body, "kv_transfer_params": PREFILL_PARAMS, "stream": False, "max_tokens": 1}
     for key in ("stream_options", "min_tokens"):
         leg.pop(key, None)
@@ -62,7 +62,7 @@ def prefill_leg(
 
 
 def free_blocks(emu: EmulatorThread) -> tuple[int, int]:
-    return emu.call(lambda: (emu.instance.pool.num_free, emu.instance.pool.total))
+    return emu.call(lambda: (emu.instance.lending.pool.num_free, emu.instance.lending.pool.total))
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_two_step_handoff(
     assert usage["completion_tokens"] == 6
     assert usage["total_tokens"] == N_PROMPT + 6
     # D's notification came back over the side channel: P's blocks are free again.
-    assert free_blocks(p) == (p.instance.pool.total, p.instance.pool.total)
+    assert free_blocks(p) == (p.instance.lending.pool.total, p.instance.lending.pool.total)
     assert sample(http.metrics(p.url), "vllm:kv_cache_usage_perc") == 0
     fams = http.metrics(d.url)
     assert sample(fams, "vllm:nixl_xfer_time_seconds_count") == 1
@@ -210,11 +210,14 @@ def test_failed_pull_is_500(
     fams = http.metrics(d.url)
     assert sample(fams, "vllm:nixl_num_failed_transfers_total") == 1
     assert sample(fams, "vllm:request_success_total", finished_reason="error") == 1
+
     # A request that had already joined the batch leaves it at the next step boundary.
-    time.sleep(0.05)
-    fams = http.metrics(d.url)
-    assert sample(fams, "vllm:num_requests_running") == 0
-    assert sample(fams, "vllm:kv_cache_usage_perc") == 0
+    def left() -> None:
+        fams = http.metrics(d.url)
+        assert sample(fams, "vllm:num_requests_running") == 0
+        assert sample(fams, "vllm:kv_cache_usage_perc") == 0
+
+    eventually(left)
 
 
 def test_failed_pull_streaming_sends_error_chunk(
@@ -253,11 +256,16 @@ def test_incomplete_params_run_locally(
 
 def test_lease_expiry_frees_and_counts(start_emulator: Any, http: Http) -> None:
     p = start_emulator(kv_lease_duration=0.3)
+    sent = time.monotonic()
     kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "e1")["kv_transfer_params"]
     free, total = free_blocks(p)
     assert free < total
-    time.sleep(0.5)
-    assert free_blocks(p) == (total, total)
+
+    def freed() -> None:
+        assert free_blocks(p) == (total, total)
+
+    eventually(freed)
+    assert time.monotonic() - sent >= 0.3  # not before the lease ran out
     fams = http.metrics(p.url)
     assert sample(fams, "vllm:nixl_num_kv_expired_reqs_total") == 1
     assert sample(fams, "vllm:kv_cache_usage_perc") == 0
@@ -282,7 +290,11 @@ def test_decode_queue_heartbeats_keep_the_lease(start_emulator: Any, http: Http)
         )
     )
     blocker.start()  # occupies D's only slot for ~1 s, longer than the lease
-    time.sleep(0.05)
+
+    def blocked() -> None:
+        assert sample(http.metrics(d.url), "vllm:num_requests_running") == 1
+
+    eventually(blocked)
     reply = http.post(
         d.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": kv}
     )
@@ -303,14 +315,22 @@ def test_rejected_decode_leg_releases_prefill_blocks(start_emulator: Any, http: 
         )
         for _ in range(2)
     ]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
-        time.sleep(0.05)
+
+        # The first request runs, the second waits: each state reached before the next call.
+        def state(i: int = i) -> None:
+            fams = http.metrics(d.url)
+            assert sample(fams, "vllm:num_requests_running") == 1
+            assert sample(fams, "vllm:num_requests_waiting") == i
+
+        eventually(state)
     reply = http.post(d.url + "/v1/completions", {"prompt": PROMPT, "kv_transfer_params": kv})
     assert reply.status == 503
     for t in threads:
         t.join()
-    deadline = time.monotonic() + 2
-    while free_blocks(p)[0] != free_blocks(p)[1] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert free_blocks(p)[0] == free_blocks(p)[1]
+
+    def freed() -> None:
+        assert free_blocks(p)[0] == free_blocks(p)[1]
+
+    eventually(freed, timeout=2.0)

@@ -1,5 +1,6 @@
-"""Unit tests of the emulator's pure parts: tokenizer, KV blocks and leases, request parsing,
-metric buckets, the engine subclasses' aborts, configuration and the command line."""
+"""Unit tests of the emulator's pure parts: the word tokenizer it shares with the sidecar, KV
+blocks and leases, request parsing, response shapes, metric buckets, configuration, the command
+line and the decode driver's per-step jitter. (The engines' aborts are tested in tests/engine.)"""
 
 from __future__ import annotations
 
@@ -14,17 +15,15 @@ from emulator_testkit import H100, make_profile
 
 from disaggpool.emulator import cli
 from disaggpool.emulator.config import DEFAULT_MODEL, EmulatorConfig, side_channel_from_env
-from disaggpool.emulator.engine_driver import (
-    DecodeDriver,
-    EmulatedDecodeEngine,
-    EmulatedPrefillEngine,
-)
+from disaggpool.emulator.engine_driver import DecodeDriver
+from disaggpool.emulator.errors import ApiError
 from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
 from disaggpool.emulator.metrics import Histogram, build_1_2_5_buckets
-from disaggpool.emulator.protocol import ApiError, GenerationRequest, parse_completion
-from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.emulator.requests import GenerationRequest, parse_completion
+from disaggpool.emulator.responses import CHAT, COMPLETION, chunk, response, role_chunk
 from disaggpool.engine.request import EngineRequest
 from disaggpool.errors import InputError
+from disaggpool.wordtokenizer import Tokenizer
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -121,6 +120,28 @@ def test_lax_coercion_like_pydantic() -> None:
     assert (err.value.param, err.value.err_type) == ("body.max_tokens", "Bad Request")
 
 
+# ---------------------------------------------------------------------------- response shapes
+def test_one_builder_dresses_completion_and_chat_differently() -> None:
+    """The differences vLLM makes between the endpoints, as the shape data produces them (the
+    full bodies are compared with real vLLM's recording in test_emulator_vs_real_vllm)."""
+    use = {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1}
+    whole = response(CHAT, "chatcmpl-x", 1, "m", " hi", "length", use, None, "fp")
+    assert whole["object"] == "chat.completion" and whole["kv_transfer_params"] is None
+    assert whole["choices"][0]["message"]["content"] == " hi"
+    assert list(whole)[-6:-3] == ["prompt_logprobs", "prompt_token_ids", "prompt_text"]
+    plain = response(COMPLETION, "cmpl-x", 1, "m", " hi", "length", use, {"a": 1}, "fp")
+    assert plain["choices"][0]["text"] == " hi" and plain["kv_transfer_params"] == {"a": 1}
+    assert "prompt_text" not in plain and "message" not in plain["choices"][0]
+    role = role_chunk(CHAT, "chatcmpl-x", 1, "m")
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "token_ids" not in role["choices"][0] and "stop_reason" not in role["choices"][0]
+    assert role["prompt_token_ids"] is None and "usage" not in role
+    mid, last = chunk(CHAT, "c", 1, "m", " a"), chunk(CHAT, "c", 1, "m", " b", "length", use)
+    assert "stop_reason" not in mid["choices"][0] and mid["choices"][0]["token_ids"] is None
+    assert last["choices"][0]["stop_reason"] is None and last["usage"] == use
+    assert "stop_reason" in chunk(COMPLETION, "c", 1, "m", " a")["choices"][0]
+
+
 # ---------------------------------------------------------------------------- metrics
 def test_buckets() -> None:
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
@@ -129,45 +150,6 @@ def test_buckets() -> None:
         h.observe(v)
     assert h.cumulative() == [("1.0", 2.0), ("2.0", 3.0), ("+Inf", 4.0)]
     assert (h.count, h.sum) == (4, 6.0)
-
-
-# ---------------------------------------------------------------------------- engine aborts
-def test_decode_abort_in_every_state_leaves_nothing() -> None:
-    prof = make_profile(max_num_seqs=2)
-    eng = EmulatedDecodeEngine("d", prof)
-    reqs = [EngineRequest(i, 0.0, 100, 50, "x") for i in range(4)]
-    for r in reqs:
-        eng.enqueue(r, 0.0)
-    assert len(eng.waiting) == 2  # two slots: two transfers, two waiting
-    assert eng.abort(reqs[3], 0.0) == (True, [])  # waiting
-    removed, started = eng.abort(reqs[0], 0.0)  # transferring: frees a slot for reqs[2]
-    assert removed and started == [reqs[2]]
-    t = eng.next_wakeup()
-    assert t is not None
-    eng.advance(t)  # both transfers are done: they join at once (the batch was empty)
-    assert eng.is_running(reqs[1]) and eng.is_running(reqs[2])
-    assert eng.abort(reqs[1], t) == (False, [])  # running: it must leave at a boundary
-    b = eng.next_boundary()
-    assert b is not None
-    eng.advance(b)
-    eng.drop_running(reqs[1], b)
-    eng.drop_running(reqs[2], b)
-    assert eng.idle and eng.num_waiting == 0 and eng.num_running == 0
-    assert eng.kv_tokens_used(b + 1.0) == 0 and eng.next_wakeup() is None
-
-
-def test_prefill_abort_returns_kv() -> None:
-    eng = EmulatedPrefillEngine("p", make_profile(max_num_batched_tokens=100))
-    a, b = EngineRequest(0, 0.0, 100, 1, "x"), EngineRequest(1, 0.0, 100, 1, "x")
-    eng.enqueue(a, 0.0)
-    eng.enqueue(b, 0.0)  # the token budget holds one prompt: b waits
-    assert eng.abort(b, 0.0) and eng.kv_used == 100
-    assert not eng.abort(a, 0.0)  # being prefilled: it finishes, then its owner releases it
-    t = eng.next_wakeup()
-    assert t is not None
-    assert eng.advance(t) == [a]
-    eng.release(a, t)
-    assert eng.kv_used == 0 and not eng.queue and eng.next_wakeup() is None
 
 
 # ---------------------------------------------------------------------------- config and CLI

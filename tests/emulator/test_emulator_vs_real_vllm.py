@@ -177,7 +177,7 @@ def test_prefill_decode_handoff_matches(engines: Any, http: Http) -> None:
         "remote_registration_generation",
         "transfer_mode",
         "remote_prefill_cached_tokens",
-    ]  # vllm-pd-protocol.md 2.2 (0.33) order
+    ]  # docs/vllm-protocol.md §2.2 (0.33) order
     assert kv["remote_num_tokens"] == wire["prefill_response"]["body"]["usage"]["prompt_tokens"]
     decode_req = {**_expand(wire["decode_request"]), "kv_transfer_params": kv}
     reply = http.post(d.url + "/v1/completions", decode_req, hdr)

@@ -1,10 +1,13 @@
-"""Tests of disaggpool.formats.traces: round trips, the real Azure 2023 traces, malformed files."""
+"""Tests of disaggpool.formats.traces and formats.embedded: round trips, the Azure 2023 traces
+embedded in the package, malformed files."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.resources
+import io
 import itertools
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -12,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disaggpool.errors import InputError
-from disaggpool.formats.traces import TraceRequest, read_trace, write_trace
-
-SHARED = Path(
-    os.environ.get("DISAGGPOOL_SHARED", Path(__file__).resolve().parents[2].parent / "shared")
+from disaggpool.formats.embedded import (
+    AZURE_2023_FILES,
+    SERVICE_CLASSES,
+    azure_services,
+    read_embedded_trace,
 )
-AZURE_DIR = SHARED / "traces" / "azure_llm_2023"
+from disaggpool.formats.traces import TraceRequest, parse_trace, read_trace, write_trace
 
 
 def _write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
@@ -129,19 +133,18 @@ def test_azure_small_file_is_rebased_sorted_and_truncated(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("name", "rows", "duration_s", "first"),
+    ("service", "rows", "duration_s", "first"),
     [
-        ("AzureLLMInferenceTrace_conv.csv", 19366, 3501.721937, (374, 44)),
-        ("AzureLLMInferenceTrace_code.csv", 8819, 3435.948056, (4808, 10)),
+        ("conv", 19366, 3501.721937, (374, 44)),
+        ("code", 8819, 3435.948056, (4808, 10)),
     ],
 )
-def test_real_azure_traces(name: str, rows: int, duration_s: float, first: tuple[int, int]) -> None:
-    path = AZURE_DIR / name
-    if not path.is_file():
-        pytest.skip(f"{path} not available (set DISAGGPOOL_SHARED)")
-    requests = read_trace(path, default_class="azure")
-    # `wc -l` also reports these numbers, but the files have a header and no final newline,
-    # so they are the number of data rows.
+def test_embedded_azure_traces(
+    service: str, rows: int, duration_s: float, first: tuple[int, int]
+) -> None:
+    requests = read_embedded_trace(AZURE_2023_FILES[service], default_class="azure")
+    # The published files have a header and no final newline, so `wc -l` of the decompressed
+    # file also gives these numbers of data rows.
     assert len(requests) == rows
     assert requests[0].arrival_s == 0.0
     assert (requests[0].prompt_tokens, requests[0].output_tokens) == first
@@ -149,6 +152,36 @@ def test_real_azure_traces(name: str, rows: int, duration_s: float, first: tuple
     assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(requests))
     assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
     assert {r.slo_class for r in requests} == {"azure"}
+
+
+def test_embedded_trace_reads_like_the_decompressed_file(tmp_path: Path) -> None:
+    name = AZURE_2023_FILES["code"]
+    data = importlib.resources.files("disaggpool.data").joinpath(name).read_bytes()
+    path = tmp_path / name.removesuffix(".gz")
+    path.write_bytes(gzip.decompress(data))
+    assert read_embedded_trace(name, default_class="x") == read_trace(path, default_class="x")
+
+
+def test_azure_services_label_each_service_with_its_class() -> None:
+    services = azure_services()
+    assert set(services) == set(SERVICE_CLASSES) == {"chat", "code"}
+    for slo_class, requests in services.items():
+        assert {r.slo_class for r in requests} == {slo_class}
+    assert len(services["chat"]) == 19366 and len(services["code"]) == 8819
+
+
+def test_unknown_embedded_trace() -> None:
+    with pytest.raises(FileNotFoundError):
+        read_embedded_trace("absent.csv.gz")
+
+
+def test_parse_trace_names_its_source_in_errors() -> None:
+    text = io.StringIO("arrival_s,prompt_tokens,output_tokens\n0,1,1\n1,x,1\n", newline="")
+    with pytest.raises(InputError) as info:
+        parse_trace(text, "inline")
+    assert (info.value.source, info.value.field) == ("inline", "line 3: prompt_tokens")
+    ok = io.StringIO("arrival_s,prompt_tokens,output_tokens\n0,1,1\n", newline="")
+    assert parse_trace(ok, "inline", default_class="c") == [TraceRequest(0.0, 1, 1, "c")]
 
 
 # --- malformed files ---------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """A real control plane for the e2e tests: etcd 3.4, kube-apiserver and controller-manager 1.20.2.
 
 The binaries come from scripts/k8s_env.sh (built from Debian's source package, cached under
-/var/cache/disaggpool/k8s; .ci/run builds them when missing). When they are absent the e2e tests
-skip. There is no scheduler and no kubelet: Deployments get ReplicaSets and Pods (the controller
-manager), pods stay Pending until a test plays the kubelet by patching their status. The controller
-manager also runs the garbage collector (owner references) and the service-account token controller
-(the operator and the probe then run with their own, RBAC-limited tokens).
+/var/cache/disaggpool/k8s; .ci/run builds them when missing). When they are absent the tests that
+need them skip (`require_k8s`), or fail with the reason when ``DISAGGPOOL_REQUIRE_K8S=1`` (what CI
+sets, so a broken build cannot turn the e2e layer into silent skips). There is no scheduler and
+no kubelet: Deployments get ReplicaSets and Pods (the controller manager), pods stay Pending until
+a test plays the kubelet by patching their status. The controller manager also runs the garbage
+collector (owner references) and the service-account token controller (the operator and the probe
+then run with their own, RBAC-limited tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +29,28 @@ CACHE_BIN = Path(os.environ.get("DISAGGPOOL_K8S_BIN", "/var/cache/disaggpool/k8s
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
 
 
-def binaries_missing() -> str:
+REQUIRE_ENV = "DISAGGPOOL_REQUIRE_K8S"
+
+
+def binaries_missing(binaries: Sequence[str] = BINARIES) -> str:
     """Why the e2e layer cannot run here, or "" when it can."""
-    missing = [b for b in BINARIES if not (CACHE_BIN / b).is_file()]
+    missing = [b for b in binaries if not (CACHE_BIN / b).is_file()]
     if missing:
         return f"{', '.join(missing)} not in {CACHE_BIN} (run: bash scripts/k8s_env.sh)"
     return ""
+
+
+def require_k8s(binaries: Sequence[str] = BINARIES) -> None:
+    """Skip the calling test (or fixture) when `binaries` are missing; with
+    ``DISAGGPOOL_REQUIRE_K8S=1`` fail it instead, naming what is missing."""
+    import pytest  # only the tests need it; bench/operator_reconcile.py imports this module too
+
+    why = binaries_missing(binaries)
+    if not why:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but {why}", pytrace=False)
+    pytest.skip(why)
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """Install paths without a cluster: the CRD single source, samples vs its schema, the Helm chart.
 
 Helm and kubectl-free checks always run; the ones that need the `helm` binary (scripts/k8s_env.sh)
-skip when it is absent. Rendered manifests are validated against the Kubernetes OpenAPI schemas by
+skip when it is absent, or fail under DISAGGPOOL_REQUIRE_K8S=1 (k8s_cluster.require_k8s).
+Rendered manifests are validated against the Kubernetes OpenAPI schemas by
 `kubernetes-validate --strict` (schemas for 1.25+; 1.20 is checked live in test_operator_e2e.py).
 """
 
@@ -16,13 +17,12 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from k8s_cluster import CACHE_BIN
+from k8s_cluster import CACHE_BIN, require_k8s
 from operator_testkit import CHART, CRD_PATH, MANIFESTS
 
 from disaggpool.operator.spec import parse_spec
 
 HELM = CACHE_BIN / "helm"
-needs_helm = pytest.mark.skipif(not HELM.is_file(), reason=f"no helm at {HELM}")
 VALUES_FILES = [
     None,
     CHART / "ci" / "all-features-values.yaml",
@@ -133,13 +133,20 @@ def test_every_chart_value_is_documented_and_typed() -> None:
     jsonschema.Draft7Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
 
 
+@pytest.fixture
+def helm() -> Path:
+    """The helm binary; skips (or fails under DISAGGPOOL_REQUIRE_K8S=1) when it is missing."""
+    require_k8s(("helm",))
+    return HELM
+
+
 def _helm(*args: str) -> str:
     proc = subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
-@needs_helm
+@pytest.mark.usefixtures("helm")
 @pytest.mark.parametrize("values", VALUES_FILES, ids=lambda v: v.name if v else "defaults")
 def test_helm_lint_and_template_validate(values: Path | None, tmp_path: Path) -> None:
     extra = ["-f", str(values)] if values else []
@@ -171,7 +178,10 @@ def test_plain_manifests_validate_strictly(tmp_path: Path) -> None:
 
 
 def test_rendered_pool_objects_validate_strictly(tmp_path: Path) -> None:
-    from disaggpool.operator.render import PodView, PoolRef, render_calibration_job, render_pool
+    from disaggpool.operator.calibration_plan import render_calibration_job
+    from disaggpool.operator.names import PoolRef
+    from disaggpool.operator.observed import PodView
+    from disaggpool.operator.render import render_pool
 
     docs: list[dict[str, Any]] = []
     for sample in ("small.yaml", "heterogeneous.yaml"):
@@ -227,3 +237,20 @@ def test_crd_schema_uses_only_schema_keywords() -> None:
 
     walk(_crd_schema(), "")
     assert not stray, stray
+
+
+def test_require_k8s_skips_or_fails_on_missing_binaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DISAGGPOOL_REQUIRE_K8S=1 turns the missing-binaries skip into a failure naming them."""
+    import k8s_cluster
+
+    monkeypatch.setattr(k8s_cluster, "CACHE_BIN", tmp_path)
+    monkeypatch.delenv("DISAGGPOOL_REQUIRE_K8S", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="kube-apiserver"):
+        k8s_cluster.require_k8s()
+    monkeypatch.setenv("DISAGGPOOL_REQUIRE_K8S", "1")
+    with pytest.raises(pytest.fail.Exception, match=r"DISAGGPOOL_REQUIRE_K8S=1 but .*helm"):
+        k8s_cluster.require_k8s(("helm",))
+    (tmp_path / "helm").write_text("")
+    k8s_cluster.require_k8s(("helm",))  # present: neither skips nor fails

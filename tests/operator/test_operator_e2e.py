@@ -1,8 +1,9 @@
 """E2E layer: manifests, the operator and Helm against a real kube-apiserver 1.20.2.
 
-Skips (does not fail) when scripts/k8s_env.sh has not built the binaries; .ci/run builds them, so CI
-runs this. The operator runs as a real process with its own service account's token, so the RBAC
-in manifests/ is exercised; the probe is played with the real ConfigMap sink and the probe's own
+Skips when scripts/k8s_env.sh has not built the binaries, and fails instead under
+DISAGGPOOL_REQUIRE_K8S=1 (k8s_cluster.require_k8s); .ci/run builds them, so CI runs this. The
+operator runs as a real process with its own service account's token, so the RBAC in manifests/
+is exercised; the probe is played with the real ConfigMap sink and the probe's own
 token (its Role is exercised too). There is no kubelet: the test patches pod status to Ready.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_cluster import Cluster, binaries_missing, running_cluster
+from k8s_cluster import Cluster, require_k8s, running_cluster
 from operator_testkit import (
     CHART,
     CRD_PATH,
@@ -36,14 +37,13 @@ from operator_testkit import (
 
 from disaggpool.calibration import sinks
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.operator.kube import Kube
+from disaggpool.kubeclient import Kube
 from disaggpool.operator.reconcile import reconcile
-
-pytestmark = pytest.mark.skipif(bool(binaries_missing()), reason=binaries_missing() or "ok")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require_k8s()
     with running_cluster(tmp_path_factory.mktemp("cluster"), [CRD_PATH]) as c:
         c.kubectl("apply", "-f", str(MANIFESTS))  # the documented install path
         yield c

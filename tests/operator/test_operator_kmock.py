@@ -29,7 +29,7 @@ from operator_testkit import (
 
 from disaggpool.calibration import sinks
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.operator.render import profile_configmap_name
+from disaggpool.operator.names import profile_configmap_name
 
 POOLS = "disaggpool.io/v1alpha1/disaggpools"
 RealisticEmulator = realistic_emulator_class()

@@ -18,18 +18,13 @@ from operator_testkit import MANIFESTS
 
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.profiles import dump_profile
-from disaggpool.operator.render import (
-    JobView,
-    PodView,
-    PoolRef,
-    ProfileView,
-    compute_status,
-    plan_calibration,
-    profile_view,
-    render_calibration_job,
-    render_pool,
-)
+from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
+from disaggpool.operator.names import PoolRef
+from disaggpool.operator.observed import JobView, PodView, ProfileView, profile_view
+from disaggpool.operator.render import render_pool, render_router_config
 from disaggpool.operator.spec import PoolSpec, parse_spec
+from disaggpool.operator.status import compute_status
+from disaggpool.sidecar.config import parse_config
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("DISAGGPOOL_REGEN_GOLDEN") == "1"
@@ -203,11 +198,12 @@ def test_configmap_labels_flag_parses_and_names_bad_items() -> None:
 @pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
 def test_rendered_router_config_is_accepted_by_the_sidecar(sample: str) -> None:
     """The contract with the sidecar: its own parser reads what the operator renders."""
-    config = pytest.importorskip("disaggpool.sidecar.config")
-    from disaggpool.operator.render import render_router_config
-
     pool, spec = _spec(sample)
-    cfg = config.parse_config(yaml.safe_load(render_router_config(pool, spec)), "sidecar.yaml")
+    cfg = parse_config(yaml.safe_load(render_router_config(pool, spec)), "sidecar.yaml")
     assert cfg.policy == spec.router.policy
+    assert cfg.members_kubernetes is not None and cfg.profiles_kubernetes is not None
     assert cfg.members_kubernetes.selector == f"disaggpool.io/pool={pool.name}"
     assert cfg.profiles_kubernetes.namespace == pool.namespace
+    assert cfg.profiles_kubernetes.selector == (
+        f"disaggpool.io/pool={pool.name},disaggpool.io/profile=true"
+    )

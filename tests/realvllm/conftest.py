@@ -9,7 +9,8 @@ that the selected tests use):
 - ``single_engine``: one plain engine (no KV connector);
 - ``pd_pair``: a prefill engine (``kv_role=kv_producer``) and a decode engine
   (``kv_role=kv_consumer``) with NixlConnector over host memory; if that pair does not come up,
-  it is restarted once with ``kv_both`` on both sides (what the reference doc had measured).
+  it is restarted once with ``kv_both`` on both sides (the roles the pair first ran with,
+  docs/real-vllm-on-cpu.md §4).
 
 Environment:
 
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from disaggpool import promtext
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL = "tiny"
@@ -102,7 +105,7 @@ def free_port() -> int:
 
 def _cpu_sets() -> tuple[str, str]:
     """Two disjoint OMP core sets (prefill, decode): without pinning the two engines fight over
-    the cores and decode steps get several times slower (real-vllm-on-cpu.md)."""
+    the cores and decode steps get several times slower (docs/real-vllm-on-cpu.md §5)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return str(cpus[0]), str(cpus[0])
@@ -272,10 +275,10 @@ class PDPair:
         engine loop ran again (sending P requests meanwhile helped in some runs, not in all).
         If D's first leg outlives the lease, P releases the blocks
         ("Releasing expired KV blocks", vllm:nixl_num_kv_expired_reqs_total +1) and D reads them
-        anyway ("Potentially invalid KV blocks"), the silent failure of vllm-pd-protocol.md §2.5.
+        anyway ("Potentially invalid KV blocks"), the silent failure of docs/vllm-protocol.md §2.5.
         Once (with UCX_TLS=self,sm,tcp) D's ZMQ metadata request to P's side channel timed out
         after about 20 s (``zmq.error.Again``, ``handshake_failed``) and D answered HTTP 500,
-        as vllm-pd-protocol.md §2.5 says for a failed handshake.
+        as docs/vllm-protocol.md §2.5 says for a failed handshake.
         So: one plain request to each engine, then up to three handoffs (until one succeeds)
         during which P gets small requests that keep its engine loop moving.
         """
@@ -358,11 +361,7 @@ def prometheus_value(url: str, sample: str) -> float:
     """Sum of one sample's values in an engine's /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(sample + "{") or line.startswith(sample + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return promtext.total(promtext.parse(text, [sample]), sample)
 
 
 def post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
@@ -474,9 +473,17 @@ class Launcher:
             e.stop()
 
 
+#: Per-test deadline here: a test's deadline covers the session fixtures it is the first to need,
+#: and starting (or restarting) a real vLLM engine pair on two busy cores takes minutes.
+REAL_VLLM_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups: set[str] = set()
+    here = Path(__file__).parent
     for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.timeout(REAL_VLLM_TIMEOUT_S))
         for fixture_name, group in _GROUP_FIXTURES.items():
             if fixture_name in getattr(item, "fixturenames", ()):
                 groups.add(group)
@@ -484,6 +491,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _groups_key = pytest.StashKey[set[str]]()
+_launcher_key = pytest.StashKey["Launcher"]()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the engines once the last real-vLLM test is done: idle vLLM engines on CPU keep
+    cores busy, which would slow every test that runs after this folder."""
+    here = Path(__file__).parent
+    if here not in item.path.parents:
+        return
+    if nextitem is not None and here in nextitem.path.parents:
+        return
+    launcher = item.config.stash.get(_launcher_key, None)
+    if launcher is not None:
+        launcher.stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -500,6 +521,7 @@ def vllm_launcher(
     launcher = Launcher(log_dir=log_dir, groups=set(groups))
     t0 = time.monotonic()
     print(f"\n[realvllm] starting engine groups {sorted(groups)}; logs in {log_dir}")
+    request.config.stash[_launcher_key] = launcher
     try:
         launcher.start_all()
         yield launcher

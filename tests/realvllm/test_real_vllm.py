@@ -4,7 +4,7 @@ These tests drive real engines started by ``conftest.py`` (a plain engine and a 
 prefill/decode pair). They assert the behaviour that the project's emulator must copy and store
 every response, normalised, in ``fixtures/vllm_0.32.0_wire.json`` when
 ``DISAGGPOOL_RECORD_FIXTURES=1``; otherwise they also compare the live response shapes with
-that file. The P/D handoff follows ``vllm-pd-protocol.md`` §2.1 (vLLM's toy proxy).
+that file. The P/D handoff follows ``docs/vllm-protocol.md`` §2.1 (vLLM's toy proxy).
 
 Only the standard library talks to the engines (this process runs in the project's venv).
 """
@@ -31,7 +31,7 @@ VLLM_VERSION = "0.32.0"
 ERROR_KEYS = ["message", "type", "param", "code"]
 
 # kv_transfer_params returned by a 0.32.0 prefill engine, in the order it sends them.
-# vllm-pd-protocol.md §2.2 (read from 0.33.0) also lists remote_registration_generation
+# docs/vllm-protocol.md §2.2 (vLLM 0.33.0) also lists remote_registration_generation
 # (added with NIXL connector version 15); 0.32.0 does not send it.
 KV_TRANSFER_PARAMS_FIELDS = [
     "do_remote_prefill",
@@ -735,7 +735,7 @@ def test_metrics_single(single_engine: Any, wire: Any, vocab_words: list[str]) -
 
 
 def prefill_body(original: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg, exactly as vLLM's toy proxy builds it (vllm-pd-protocol.md §2.1)."""
+    """The prefill leg, exactly as vLLM's toy proxy builds it (docs/vllm-protocol.md §2.1)."""
     body = dict(original)
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     body["stream"] = False

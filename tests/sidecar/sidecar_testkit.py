@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from disaggpool import promtext
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.sidecar.config import SidecarConfig, parse_config
@@ -66,9 +67,4 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
 def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` on `base_url`/metrics whose labels include `labels`."""
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        named = line.startswith((name + "{", name + " "))
-        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return promtext.total(promtext.parse(text, [name]), name, labels)

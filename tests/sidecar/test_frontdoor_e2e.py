@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -25,7 +26,16 @@ from disaggpool.sidecar.harness import SidecarThread
 
 
 def idle(sc: SidecarThread) -> bool:
-    return sc.call(lambda: len(sc.running.service.state.records) == 0)
+    return sc.call(lambda: sc.running.service.inflight == 0)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
 
 
 def test_openai_client_streaming_and_not(start_pool, start_sidecar) -> None:
@@ -166,12 +176,14 @@ def test_killing_a_decode_pod_mid_run_loses_no_request(start_pool, start_sidecar
         threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads[:8]:
             t.start()
-        time.sleep(1.0)
+        wait_until(
+            lambda: metric(url, "vllm:num_requests_running") >= 1, 30, "the victim to be decoding"
+        )
         proc.send_signal(signal.SIGKILL)  # dies with requests streaming from it
         proc.wait(10)
         for t in threads[8:]:
             t.start()
-            time.sleep(0.1)
+            time.sleep(0.1)  # staggered arrivals, not a wait for a condition
         for t in threads:
             t.join(120)
     finally:
@@ -227,13 +239,11 @@ def test_client_disconnect_aborts_the_upstream_request(start_pool, start_sidecar
     d0 = pool.emulator("d0")
     assert d0.call(lambda: d0.instance.decode.engine.num_running) == 1
     conn.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (
-        idle(sc) and d0.call(lambda: d0.instance.decode.engine.num_running) == 0
-    ):
-        time.sleep(0.05)
-    assert idle(sc)
-    assert d0.call(lambda: d0.instance.decode.engine.num_running) == 0  # vLLM-side abort
+    wait_until(
+        lambda: idle(sc) and d0.call(lambda: d0.instance.decode.engine.num_running) == 0,
+        10,
+        "the sidecar to forget the request and d0 to abort it (vLLM-side abort)",
+    )
     assert metric(sc.url, "disaggpool_requests_total", outcome="aborted") == 1
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from disaggpool.calibration import sinks
 from disaggpool.core.hardware import builtin_profile
+from disaggpool.kubeclient import parse_selector
 from disaggpool.sidecar.app import RunningSidecar, start_sidecar
 from disaggpool.sidecar.config import parse_config
-from disaggpool.sidecar.kube import parse_selector
 
 NS = "serving"
 POOL = "disaggpool.io/pool=demo"
@@ -124,8 +124,27 @@ async def test_pods_and_profile_configmaps_are_watched(kmock, monkeypatch) -> No
                     "data": {"profile.yaml": "name: broken\nprefill: {}\n"},
                 },
             )
-            await asyncio.sleep(0.5)
+            # Wait until the sidecar has read and refused it, then check nothing was installed.
+            await until(lambda: "vllm-d-1" in sc.collectors.profile_errors, "the refusal")
+            errors = sc.collectors.profile_errors
+            assert "configmap/demo-profile-vllm-d-1" in errors["vllm-d-1"], errors
             assert state.instances["vllm-d-1"].profile is None
+
+            # Not even YAML: refused too, and the watch goes on (a re-probe's write lands).
+            p0 = {**labels, "disaggpool.io/pod": "vllm-p-0"}
+            await create(
+                "configmaps",
+                {
+                    "metadata": {"name": "demo-profile-vllm-p-0", "namespace": NS, "labels": p0},
+                    "data": {"profile.yaml": "prefill: [unclosed\n"},
+                },
+            )
+            await until(lambda: "vllm-p-0" in sc.collectors.profile_errors, "the YAML refusal")
+            assert "not valid YAML" in sc.collectors.profile_errors["vllm-p-0"]
+            await asyncio.to_thread(
+                sinks.write_configmap, profile, f"{NS}/demo-profile-vllm-p-0", {}, p0
+            )
+            await until(lambda: state.instances["vllm-p-0"].profile == profile, "the re-probe")
 
             # The pod is deleted: it leaves the pool.
             async with http.delete(f"{base}/pods/vllm-d-0") as r:
@@ -140,3 +159,69 @@ def test_selector_parsing() -> None:
     for bad in ("a!=b", "a in (b)", "=x"):
         with pytest.raises(ValueError, match="key=value"):
             parse_selector(bad)
+
+
+def test_credentials_sources_in_order(tmp_path, monkeypatch) -> None:
+    """Explicit kubeconfig > KUBERNETES_API > in-cluster service account > $KUBECONFIG."""
+    import ssl
+
+    import yaml
+
+    from disaggpool import kubeclient
+
+    def kubeconfig(name: str, server: str, token: str) -> str:
+        path = tmp_path / name
+        cluster = {"server": server, "insecure-skip-tls-verify": True}
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": cluster}],
+                    "users": [{"name": "u", "user": {"token": token}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+        return str(path)
+
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    monkeypatch.setattr(kubeclient.credentials, "SA_DIR", sa)
+    for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_TOKEN", "KUBERNETES_INSECURE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KUBECONFIG", kubeconfig("env", "https://10.0.0.9:6443", "from-env-file"))
+    monkeypatch.setenv("KUBERNETES_API", "http://127.0.0.1:1/")
+    monkeypatch.setenv("KUBERNETES_TOKEN", "tok")
+
+    explicit = kubeclient.load_credentials(kubeconfig("arg", "https://10.0.0.8:6443", "arg-tok"))
+    assert (explicit.base, explicit.authorization) == ("https://10.0.0.8:6443", "Bearer arg-tok")
+    assert explicit.tls is not None and explicit.tls.verify_mode == ssl.CERT_NONE
+
+    env = kubeclient.load_credentials()
+    assert (env.base, env.authorization, env.tls) == ("http://127.0.0.1:1", "Bearer tok", None)
+    monkeypatch.setenv("KUBERNETES_API", "https://api.example:6443")
+    monkeypatch.setenv("KUBERNETES_INSECURE", "1")
+    insecure = kubeclient.load_credentials().tls
+    assert insecure is not None and insecure.verify_mode == ssl.CERT_NONE
+
+    # In a pod without a token (none mounted, none given): the kubeconfig is the fallback.
+    monkeypatch.delenv("KUBERNETES_API")
+    monkeypatch.delenv("KUBERNETES_TOKEN")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    fallback = kubeclient.load_credentials()
+    assert fallback.authorization == "Bearer from-env-file"
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    with pytest.raises(kubeclient.KubeUnavailable, match="no service-account token"):
+        kubeclient.load_credentials()
+
+
+def test_rest_paths() -> None:
+    from disaggpool.kubeclient import path_for
+
+    assert path_for("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
+    assert path_for("batch/v1", "Job", "ns", "j") == "/apis/batch/v1/namespaces/ns/jobs/j"
+    assert path_for("disaggpool.io/v1alpha1", "DisaggPool", None) == (
+        "/apis/disaggpool.io/v1alpha1/disaggpools"
+    )

@@ -114,6 +114,26 @@ def test_bad_config_names_the_field(patch: dict[str, Any], field: str) -> None:
     assert err.value.field == field, str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"model": ""}, "model: must be a non-empty string, got ''"),
+        (
+            {"pool": {"static": {"prefill": [], "decode": []}}},
+            "pool.static.prefill: must be a non-empty list of {name, url}",
+        ),
+        ({"max_inflight": 0}, "max_inflight: must be an integer >= 1, got 0"),
+        ({"scrape_interval_s": 0}, "scrape_interval_s: must be > 0, got 0"),
+        ({"listen": "x"}, "listen: must be a mapping"),
+        ({"colour": "blue"}, "colour: unknown field (allowed: "),
+    ],
+)
+def test_bad_config_messages(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(InputError) as err:
+        parse_config({**BASE, **patch}, "sidecar.yaml")
+    assert str(err.value).startswith(f"sidecar.yaml: {message}")
+
+
 def test_unreadable_file_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")

@@ -37,8 +37,18 @@ def test_members_file_is_reread_when_it_changes(start_pool, start_sidecar, tmp_p
         time.sleep(0.05)
     assert names() == {"d0", "d1"}
     members.write_text("decode: [not, a, pool")  # broken: the last good membership stays
-    time.sleep(0.5)
+
+    def refusal() -> str:
+        return sc.call(lambda: sc.running.collectors.members_file_error)
+
+    while not refusal() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert str(members) in refusal()  # read and refused, not merely not read yet
     assert names() == {"d0", "d1"}
+    members.write_text(yaml.safe_dump(first))  # the poll outlived the broken file
+    while names() != {"d0"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert names() == {"d0"} and not refusal()
     status, body = post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 200 and body["usage"]
 
@@ -53,9 +63,9 @@ def test_pods_without_a_trusted_profile_use_the_documented_fallback(
             status, _ = post(f"{sc.url}/v1/completions", {"prompt": f"x {i}", "max_tokens": 2})
             assert status == 200
     text = urllib.request.urlopen(f"{sc.url}/metrics", timeout=10).read().decode()
-    assert 'disaggpool_route_fallbacks_total{reason="no-profile"} 3.0' in text
+    assert 'disaggpool_route_fallbacks_total{reason="least-loaded"} 3.0' in text
     assert 'disaggpool_profile_trusted{pod="d0"} 0.0' in text
-    assert 'policy="calibrated(no-profile)"' in text
+    assert 'policy="calibrated",role="decode"} ' in text  # the policy label names no fallback
     warned = [
         r.getMessage() for r in caplog.records if "no trusted calibration profile" in r.getMessage()
     ]

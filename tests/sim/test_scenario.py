@@ -340,6 +340,27 @@ def test_class_not_in_slo_classes_message(tmp_path: Path) -> None:
         _load(tmp_path, doc)
 
 
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set("seeds", []), "seeds: must be a non-empty list of integers"),
+        (_set("policies", "calibrated"), "policies: must be a non-empty list"),
+        (_set("pool.decode", []), "pool.decode: must be a non-empty list of instance groups"),
+        (_set("pool.decode.0.count", 0), "pool.decode[0].count: must be an integer >= 1, got 0"),
+        (_set("jitter", -0.1), "jitter: must be >= 0.0, got -0.1"),
+        (_set("pool.decode.0", "a40"), "pool.decode[0]: must be a mapping"),
+    ],
+)
+def test_malformed_scenario_messages(tmp_path: Path, mutate: Mutation, message: str) -> None:
+    """The wording SCENARIOS.md shows users (``pool.decode[1].count: must be an integer >= 1``)."""
+    doc = copy.deepcopy(_base())
+    mutate(doc)
+    path = _write(tmp_path, doc)
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
 def test_generate_errors(tmp_path: Path) -> None:
     doc = _base()
     doc["trace"] = {"generate": {"process": "hawkes"}}

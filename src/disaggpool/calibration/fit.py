@@ -1,8 +1,9 @@
 """Fitting calibration constants from probe measurements: robust least squares, held-out error,
 bootstrap confidence intervals and a quality verdict.
 
-Pure (numpy only, no I/O, no clock; randomness from a seed): `calibration.probe` collects the
-samples over HTTP and calls `fit_profile`; tests feed it synthetic samples.
+Pure (numpy only, no I/O, no clock; randomness from a seed): `calibration.stages` collects the
+samples over HTTP and calls `fit_overhead`; `calibration.assemble` calls the model fits and
+`verdict`; tests feed them synthetic samples.
 
 Models fitted (the profile's formulas, `core.profile`):
 

@@ -1,26 +1,29 @@
 """Where a fitted profile goes: a file, stdout, or a ConfigMap through the Kubernetes API.
 
-The probe runs as a Kubernetes Job; the operator reads the ConfigMap it writes. The ConfigMap
-is written with the pod's service-account token over the API server's REST interface (create,
-or merge-patch when it exists), so the probe image needs no Kubernetes client library. Outside a
-cluster, `KUBERNETES_API` and `KUBERNETES_TOKEN` point it at any API server (tests use that).
+The probe runs as a Kubernetes Job; the operator and the router read the ConfigMap it writes
+(the profile under `labels.PROFILE_KEY`). The write goes through `kubeclient` with the pod's
+service-account token (create, or merge-patch on a re-probe); outside a cluster `KUBERNETES_API`
+and `KUBERNETES_TOKEN`, or a kubeconfig, point it at any API server (tests use that). Called by
+the `disaggpool calibrate` command, which is synchronous: `write_configmap` runs the async client
+on its own event loop, so it must not be called from a running loop's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
-import urllib.error
-import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+
+import aiohttp
 
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.profiles import dump_profile
-from disaggpool.kubeapi import KubeUnavailable, credentials
+from disaggpool.kubeclient import ApiError, Kube, KubeUnavailable, load_credentials
+from disaggpool.labels import PROFILE_KEY, REPORT_KEY
 
 __all__ = ["SinkError", "write_configmap", "write_profile"]
-
-PROFILE_KEY = "profile.yaml"
 
 
 class SinkError(RuntimeError):
@@ -45,39 +48,30 @@ def write_profile(profile: CalibrationProfile, out: str) -> None:
 def write_configmap(
     profile: CalibrationProfile,
     target: str,
-    report: dict[str, object],
-    labels: dict[str, str] | None = None,
+    report: Mapping[str, object],
+    labels: Mapping[str, str] | None = None,
 ) -> None:
     """Create or replace ConfigMap `namespace/name` holding the profile and the fit report."""
     namespace, _, name = target.partition("/")
     if not namespace or not name:
         raise SinkError(f"--configmap: expected NAMESPACE/NAME, got {target!r}")
     try:
-        base, token, context = credentials()
+        credentials = load_credentials()
     except KubeUnavailable as exc:
         raise SinkError(str(exc)) from None
-    body = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
-        "data": {PROFILE_KEY: dump_profile(profile), "report.json": json.dumps(report, indent=1)},
-    }
-    url = f"{base}/api/v1/namespaces/{namespace}/configmaps"
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    data = {PROFILE_KEY: dump_profile(profile), REPORT_KEY: json.dumps(dict(report), indent=1)}
 
-    def send(method: str, target_url: str, content_type: str = "application/json") -> int:
-        hdrs = {**headers, "Content-Type": content_type}
-        req = urllib.request.Request(target_url, json.dumps(body).encode(), hdrs, method=method)
+    async def send() -> None:
+        kube = Kube(credentials)
         try:
-            with urllib.request.urlopen(req, context=context, timeout=30) as resp:
-                return int(resp.status)
-        except urllib.error.HTTPError as exc:
-            return int(exc.code)
-        except (urllib.error.URLError, OSError) as exc:
-            raise SinkError(f"Kubernetes API at {base} unreachable: {exc}") from None
+            await kube.create_or_patch_configmap(namespace, name, data, labels)
+        finally:
+            await kube.close()
 
-    status = send("POST", url)
-    if status == 409:  # exists (a re-probe): merge-patch its data and labels
-        status = send("PATCH", f"{url}/{name}", "application/merge-patch+json")
-    if status not in (200, 201):
-        raise SinkError(f"writing ConfigMap {target} failed with HTTP {status}")
+    try:
+        asyncio.run(send())
+    except ApiError as exc:
+        raise SinkError(f"writing ConfigMap {target} failed with HTTP {exc.status}") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        why = str(exc) or type(exc).__name__  # a timeout has no message
+        raise SinkError(f"Kubernetes API at {credentials.base} unreachable: {why}") from None

@@ -1,4 +1,4 @@
-"""Typed contracts shared by the scorer, the simulator and (later) the sidecar.
+"""Typed contracts shared by the scorer, the simulator and the sidecar.
 
 * `SLOClass`: a request class with its TTFT and TPOT targets.
 * `RequestFeatures`: what the router knows about one request when it routes it.
@@ -19,6 +19,7 @@ from typing import Literal
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
+    "Fallback",
     "InstanceSnapshot",
     "PoolSnapshot",
     "RequestFeatures",
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 Role = Literal["prefill", "decode"]
+Fallback = Literal["median-profile", "least-loaded"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +97,10 @@ class PoolSnapshot:
 class RouteDecision:
     """Where one request goes and what the scorer expected to happen there.
 
+    `policy` is the name of the policy that decided, whatever it fell back on. `fallback` says
+    what it fell back on when it could not score every instance with a trusted profile: None (it
+    did not), ``"median-profile"`` (an instance without one was scored with its pool's median
+    trusted profile) or ``"least-loaded"`` (no trusted profile at all: counted in-flight requests).
     `slo_feasible` is None when the policy did not evaluate the SLO, False when the scorer found no
     instance on which the class target can be met (the request was then placed to protect
     others), True otherwise. `guarded` says the scarcity guard overrode the cheapest instance.
@@ -107,3 +113,4 @@ class RouteDecision:
     predicted_tpot_s: float | None = None
     slo_feasible: bool | None = None
     guarded: bool = False
+    fallback: Fallback | None = None

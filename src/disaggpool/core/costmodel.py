@@ -6,12 +6,13 @@ the symbols there are the local variable names here. Called by `core.policies` (
 policies, and the baselines to report predictions), hence by the simulator and the sidecar alike.
 
 The code is written for speed (one decision must cost microseconds): plain floats, locals, no
-allocation beyond the returned tuples.
+allocation beyond the returned named tuples.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
 from disaggpool.core.profile import CalibrationProfile
@@ -21,9 +22,24 @@ __all__ = ["DecodeEstimate", "decode_estimate", "prefill_ready_time"]
 #: Fraction of the KV capacity kept free before admission waits (vLLM keeps a watermark too).
 KV_HEADROOM = 0.02
 
-DecodeEstimate = tuple[float, float, float, float, int]
-"""(additional completion time, predicted TTFT, predicted TPOT, harm to others in seconds,
-number of in-flight requests whose TPOT target the added step time would break)."""
+
+class DecodeEstimate(NamedTuple):
+    """What admitting one request on one decode instance costs (all times in seconds).
+
+    A named tuple rather than a dataclass: it is built once per instance per decision on the hot
+    path, and a tuple subclass costs no more than the bare tuple it replaced.
+    """
+
+    act_s: float
+    """Additional completion time: the request's own time there plus the delay it adds to others."""
+    ttft_s: float
+    """Predicted time to first token, prefill queue and KV transfer included."""
+    tpot_s: float
+    """Predicted time per output token, preemption risk included."""
+    harm_s: float
+    """Seconds of delay the request imposes on the sequences already there."""
+    slo_harm: int
+    """In-flight requests on course for their TPOT target that the added step time would break."""
 
 
 def prefill_ready_time(
@@ -111,4 +127,4 @@ def decode_estimate(
 
     ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + tau
     act = wait + o * tau + harm
-    return act, ttft, tau + penalty / o, harm, slo_harm
+    return DecodeEstimate(act, ttft, tau + penalty / o, harm, slo_harm)

@@ -1,6 +1,6 @@
 """Built-in hardware profiles for Llama-3-8B (BF16, TP1) on A40 and H100, measured and datasheet.
 
-Two kinds per GPU, both derived in `../shared/reference/sim-and-data.md` section 2:
+Two kinds per GPU, both derived in `docs/hardware-profiles.md` (§2 measured, §3 datasheet):
 
 * ``<gpu>-llama3-8b`` ("builtin"): what a calibration probe would measure. Roofline shape with
   the *achieved* efficiencies read off Vidur's public operator profiles (A40: 0.56 TB/s, 100
@@ -57,7 +57,10 @@ def _measured(
         max_num_batched_tokens=max_batched,
         source="builtin",
         quality="good",
-        notes="roofline, achieved efficiencies from Vidur operator profiles (sim-and-data.md 2.4)",
+        notes=(
+            "roofline, achieved efficiencies from Vidur operator profiles"
+            " (docs/hardware-profiles.md §2.3)"
+        ),
     )
 
 
@@ -88,7 +91,7 @@ def _datasheet(
     )
 
 
-# vLLM 0.33 batch defaults (vllm-pd-protocol.md 1.4): A40-class 256 seqs / 2048 tokens,
+# vLLM 0.33 batch defaults (docs/vllm-protocol.md §1.4): A40-class 256 seqs / 2048 tokens,
 # H100-class 1024 / 8192.
 BUILTIN_PROFILES: dict[str, CalibrationProfile] = {
     p.name: p

@@ -2,8 +2,9 @@
 
 The router needs the expected decode length of a request to price it (the cost model multiplies
 `Prediction.mean` by the per-token step time) and a spread to hedge with. `predict` is called on
-the routing hot path, once per request, by the simulator (`disaggpool.sim`) and later by the gRPC
-sidecar; `observe` is called when a request finishes and its true output length is known.
+the routing hot path, once per request, by the simulator (`disaggpool.sim`) and by the routing
+sidecar (`sidecar.service`); `observe` is called when a request finishes and its true output
+length is known.
 
 Everything here is pure: no I/O, no clock, no global state. Randomness comes only from the
 `random.Random` passed to `predict` (only the noisy oracle uses it).

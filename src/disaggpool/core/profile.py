@@ -1,9 +1,9 @@
 """CalibrationProfile: the constants that describe one vLLM instance's speed and memory.
 
 Everything that predicts or simulates time reads a profile: the cost model (what the router
-*believes*), the simulator's engine model (what the hardware *does*), and later the emulator and the
-calibration probe (which writes one). This module is pure: it builds and validates profiles from
-plain mappings; reading and writing files is `disaggpool.formats.profiles`.
+*believes*), the engine model that the simulator and the emulator run (what the hardware *does*),
+and the calibration probe (which writes one). This module is pure: it builds and validates
+profiles from plain mappings; reading and writing files is `disaggpool.formats.profiles`.
 
 The formulas (seconds; token counts are integers):
 

@@ -12,12 +12,13 @@ that much early, the engine still acts at the model time).
 The decode engine is advanced analytically and wakes only on events; a streaming client needs
 every token, so the decode driver also wakes at every step boundary while a batch is running
 (one wake-up per step per instance, not per request). Advancing at a boundary where nothing
-happens changes no engine state: admission can only get harder as contexts grow.
+happens changes nothing but the jitter factor of the next step (the decode engine runs with
+`jitter_per_step`, so that step times vary step by step as a GPU's do): admission can only get
+harder as contexts grow.
 
-Two small subclasses add what a live server needs and the simulator does not: the next step
-boundary, the number of tokens a running request has produced, and aborting a request (a client
-that went away, a KV pull that failed). They touch only the engines' own bookkeeping, at the
-points where the engines themselves change it (a boundary, for running sequences).
+What a live server needs and the simulator does not (the next step boundary, the tokens a
+running request has produced, aborting a request whose client went away or whose KV pull failed,
+a jitter factor redrawn at every step) is the engines' own public API; the drivers only time it.
 """
 
 from __future__ import annotations
@@ -34,107 +35,13 @@ from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.request import EngineRequest
 
-__all__ = [
-    "DecodeDriver",
-    "DecodeListener",
-    "EmulatedDecodeEngine",
-    "EmulatedPrefillEngine",
-    "PrefillDriver",
-    "PrefillListener",
-]
+__all__ = ["DecodeDriver", "DecodeListener", "PrefillDriver", "PrefillListener"]
 
 log = logging.getLogger(__name__)
 
 # Wake-ups replayed in one go before the driver yields to the loop. Far above any real burst (one
 # per step boundary, transfer or completion); only an engine bug that stops making progress hits it.
 _MAX_REPLAY = 100_000
-
-
-class EmulatedPrefillEngine(PrefillEngine):
-    """`PrefillEngine` plus `abort` of a request whose chunk is not in the running iteration."""
-
-    def abort(self, req: EngineRequest, now: float) -> bool:
-        """Drop `req` unless it is in the running iteration (then it finishes; False)."""
-        if any(r is req for r, _ in self._batch):
-            return False
-        try:
-            self.queue.remove(req)  # EngineRequest compares by identity
-        except ValueError:
-            return True  # already finished or never queued
-        if self._offset.pop(req.index, None) is not None:
-            self.kv_used -= req.prompt_tokens  # its first chunk had allocated the prompt's KV
-        if self.busy_until is None and self.queue:
-            self._start(now)
-        return True
-
-
-class EmulatedDecodeEngine(DecodeEngine):
-    """`DecodeEngine` plus the next step boundary, tokens produced so far, and aborts."""
-
-    def next_boundary(self) -> float | None:
-        """When the step in progress ends (None with no running batch)."""
-        return self.t_step + self._steps_time(1) if self.batch else None
-
-    def prefill_end(self) -> float:
-        """When the prefill part of the step after boundary `step` ends (requests that joined
-        there with their prompt computed here: their first token is sampled then)."""
-        return self.t_step + self._extra
-
-    def produced(self, req: EngineRequest) -> int:
-        """Tokens `req` has produced by boundary `self.step` (it must be running)."""
-        return req.generated + self.step - req.join_step
-
-    def redraw_jitter(self) -> None:
-        """Draw the jitter factor of the steps from the current boundary on.
-
-        The shared engine draws one factor per batch change, which keeps the simulator's
-        analytic chunks whole. A live server redraws at every boundary (it wakes there anyway),
-        so that step times vary step by step as a GPU's do, and a client timing many steps sees
-        the profile's mean rather than one draw held for the whole batch. Call only when the
-        engine has just been advanced to a boundary.
-        """
-        if self._jitter and self.batch:
-            self._g = max(0.5, min(1.5, self._rng.gauss(1.0, self._jitter)))
-
-    def is_running(self, req: EngineRequest) -> bool:
-        return self.running.get(req.index) is req
-
-    def abort(self, req: EngineRequest, now: float) -> tuple[bool, list[EngineRequest]]:
-        """Remove a request that is not running yet; returns (removed, transfers started).
-
-        A running sequence cannot leave mid-step (the step time depends on the batch): the caller
-        drops it with `drop_running` at the next boundary and gets False here.
-        """
-        if self.is_running(req):
-            return False, []
-        ctx = req.prompt_tokens + req.generated
-        for i, r in enumerate(self.waiting):
-            if r is req:
-                del self.waiting[i]
-                return True, self._admit(now)
-        for i, (_, _, r) in enumerate(self._transfers):
-            if r is req:
-                self._transfers.pop(i)
-                heapq.heapify(self._transfers)
-                self._reserved -= ctx
-                return True, self._admit(now)
-        for i, (_, r) in enumerate(self._ready):
-            if r is req:
-                self._ready.pop(i)
-                self._reserved -= ctx
-                return True, self._admit(now)
-        return True, []  # finished or never enqueued
-
-    def drop_running(self, req: EngineRequest, now: float) -> list[EngineRequest]:
-        """Remove a running sequence at a step boundary (as a preemption would); admits others."""
-        if not self.is_running(req):
-            return []
-        del self.running[req.index]
-        self._remove(req)  # its finish-heap entry is now stale and is skipped
-        if self.batch == 0:
-            self._extra = 0.0
-            self.t_step = now
-        return self._admit(now)
 
 
 class PrefillListener(Protocol):
@@ -163,7 +70,7 @@ class _Driver:
         self._armed_for: float | None = None
         self.time = self._loop.time()  # the last time handed to the engine
         # How much before its model time a wake-up fires, so that the server has handled it by
-        # then: the instance learns it from its own delivery (`EmulatorInstance._resumed`).
+        # then: the instance learns it from its own delivery (`EmulatorInstance.resumed`).
         self.lead = 0.0
 
     # subclasses: when the engine next needs attention, and what to do then
@@ -219,15 +126,13 @@ class _Driver:
 
 
 class PrefillDriver(_Driver):
-    """Drives one `EmulatedPrefillEngine`; tells each request's listener when its prefill ends."""
+    """Drives one `PrefillEngine`; tells each request's listener when its prefill ends."""
 
     def __init__(
         self, profile: CalibrationProfile, *, jitter: float, rng_seed: int, name: str = "prefill"
     ) -> None:
         super().__init__()
-        self.engine = EmulatedPrefillEngine(
-            name, profile, jitter=jitter, rng=random.Random(rng_seed)
-        )
+        self.engine = PrefillEngine(name, profile, jitter=jitter, rng=random.Random(rng_seed))
         self._listeners: dict[int, PrefillListener] = {}
 
     def _next(self) -> float | None:
@@ -267,7 +172,7 @@ class PrefillDriver(_Driver):
 
 
 class DecodeDriver(_Driver):
-    """Drives one `EmulatedDecodeEngine` and reports tokens, transfers and completions."""
+    """Drives one `DecodeEngine` and reports tokens, transfers and completions."""
 
     def __init__(
         self,
@@ -279,19 +184,17 @@ class DecodeDriver(_Driver):
         on_preempt: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
-        self.engine = EmulatedDecodeEngine(
-            name, profile, jitter=jitter, rng=random.Random(rng_seed)
+        self.engine = DecodeEngine(
+            name, profile, jitter=jitter, rng=random.Random(rng_seed), jitter_per_step=True
         )
         self._listeners: dict[int, tuple[EngineRequest, DecodeListener]] = {}
         self._emitted: dict[int, int] = {}
-        self._drop: dict[int, EngineRequest] = {}  # running requests to remove at a boundary
         # Requests prefilled here whose prefill-sampled first token is not out yet; once they
         # join, the time it is due (the end of the prefill part of their first step).
         self._unprefilled: dict[int, EngineRequest] = {}
         self._first_due: list[tuple[float, int]] = []  # heap of (time, index)
         self._preemptions = 0
         self._on_preempt = on_preempt
-        self._jitter_step = -1  # the boundary whose steps' jitter was last drawn
 
     def _next(self) -> float | None:
         times = [
@@ -324,7 +227,6 @@ class DecodeDriver(_Driver):
         for req in finished:
             entry = self._listeners.pop(req.index, None)
             emitted = self._emitted.pop(req.index, 0)
-            self._drop.pop(req.index, None)
             if entry is not None:
                 if req.output_tokens > emitted:
                     entry[1].on_tokens(req.output_tokens - emitted, t)
@@ -342,13 +244,6 @@ class DecodeDriver(_Driver):
             if entry is not None:
                 entry[1].on_transferred(t)
         self._started(started, t)
-        if engine.step != self._jitter_step and abs(t - engine.t_step) <= 1e-9:
-            self._jitter_step = engine.step
-            engine.redraw_jitter()
-        if self._drop and abs(t - engine.t_step) <= 1e-9:
-            drops, self._drop = self._drop, {}
-            for req in drops.values():
-                self._started(engine.drop_running(req, t), t)
 
     def _started(self, started: list[EngineRequest], t: float) -> None:
         for req in started:
@@ -386,9 +281,7 @@ class DecodeDriver(_Driver):
         del self._listeners[req.index]
         self._emitted.pop(req.index, None)
         self._unprefilled.pop(req.index, None)  # a stale `_first_due` entry finds no listener
-        removed, started = self.engine.abort(req, now)
-        if not removed:
-            self._drop[req.index] = req
+        _, started = self.engine.abort(req, now)  # a running one leaves at the next boundary
         self._started(started, now)
         self.arm()
 

@@ -1,11 +1,12 @@
-"""One emulated vLLM instance: engine models, KV blocks, the side channel and metrics, no HTTP.
+"""One emulated vLLM instance: engine models, KV lending, KV pulls and metrics, no HTTP.
 
-`server` hands it validated requests (`protocol.GenerationRequest`) and iterates the events of
-the returned `Job`. A request is one of three legs, as `kv_transfer_params` says:
+`server` hands it validated requests (`requests.GenerationRequest`) and iterates the events of
+the returned `job.Job`; the instance is the job's `JobHost`. A request is one of three legs, as
+`kv_transfer_params` says:
 
-* **prefill leg** (`do_remote_decode`): queued on the `PrefillEngine`; when its prefill ends it
-  takes ``ceil(prompt / block_size)`` blocks from the pool, lends them under a lease, and answers
-  one token, finish reason ``length`` and vLLM 0.33's full `kv_transfer_params`;
+* **prefill leg** (`do_remote_decode`): queued on the `PrefillEngine`; when its prefill ends
+  `kv_lending.KVLender` lends blocks for its prompt under a lease, and it answers one token,
+  finish reason ``length`` and vLLM 0.33's full `kv_transfer_params`;
 * **decode leg** (`do_remote_prefill` with P's coordinates): queued on the `DecodeEngine`, which
   models the wait for a slot and the transfer (`kv_transfer.time`); when the engine starts the
   transfer, the instance reads the blocks from P over the side channel, and when the modelled
@@ -29,191 +30,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import random
-from collections import deque
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.engine_driver import DecodeDriver, PrefillDriver
-from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
+from disaggpool.emulator.errors import ApiError
+from disaggpool.emulator.job import Done, Failed, Job, Tokens
+from disaggpool.emulator.kv_lending import KVLender
 from disaggpool.emulator.kv_side_channel import (
     KVReader,
     KVReadError,
     ReadResult,
-    SideChannelServer,
     send_heartbeat,
     send_notification,
 )
 from disaggpool.emulator.metrics import EmulatorMetrics, GaugeSnapshot
-from disaggpool.emulator.protocol import ApiError, GenerationRequest
-from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.emulator.requests import GenerationRequest
 from disaggpool.engine.request import EngineRequest
+from disaggpool.wordtokenizer import Tokenizer
 
-__all__ = ["Done", "EmulatorInstance", "Failed", "Job", "Tokens"]
+__all__ = ["EmulatorInstance"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.1  # seconds between checks that a client is still connected
-# The most a timer fires before its model time (`EmulatorInstance._resumed`): far above the
+# The most a timer fires before its model time (`EmulatorInstance.resumed`): far above the
 # delivery cost of a healthy process, far below any step or prefill of a real GPU.
 _MAX_LEAD = 0.002
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Tokens:
-    """New output tokens, produced at model time `t` (loop clock)."""
-
-    ids: list[int]
-    t: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Done:
-    finish_reason: str
-    t: float
-    kv_transfer_params: dict[str, Any] | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Failed:
-    status: int
-    message: str
-
-
-Event = Tokens | Done | Failed
-
-
-class Job:
-    """One request inside the instance. The engine drivers call its `on_*` listener methods;
-    `server` reads `events()` and calls `cancel()` if the client goes away."""
-
-    def __init__(
-        self,
-        inst: EmulatorInstance,
-        spec: GenerationRequest,
-        request_id: str,
-        internal_id: str,
-        req: EngineRequest,
-        seed: int,
-    ) -> None:
-        self.inst = inst
-        self.spec = spec
-        self.request_id = request_id  # the response id: cmpl-<id> / chatcmpl-<id>
-        self.internal_id = internal_id  # with vLLM's random suffix; P advertises it
-        self.req = req
-        self.rng = random.Random(seed)
-        self._events: deque[Event] = deque()
-        self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
-        self.done = False
-        self.generated = 0
-        self.last_token_t = -1.0
-        self.first_token_t = -1.0
-        # Decode legs: tokens wait behind the KV read (`gate`); the pull's progress is tracked.
-        self.gate_open = spec.kind != "decode"
-        self.deferred: list[tuple[str, int, float]] = []
-        self.state = "queued"  # queued -> transferring -> transferred (decode legs)
-        self.transfer_started = -1.0
-        self.transferred = asyncio.Event()
-        self.notified = False
-        self.pull: asyncio.Task[None] | None = None
-        self.on_prefill_engine = False  # prefill legs and one-token plain requests
-        self.held_by_read = False  # a late KV read, not the engine, timed its first tokens
-        self.prefill_cancelled = False
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.req.prompt_tokens
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens this request answers (the engine's `output_tokens` may exclude the first)."""
-        return 1 if self.spec.kind == "prefill" else self.spec.max_tokens
-
-    # ---------------------------------------------------------------- listener (engine drivers)
-    def on_prefilled(self, t: float) -> None:
-        self.inst._prefilled(self, t)
-
-    def on_tokens(self, n: int, t: float) -> None:
-        if not self.gate_open:
-            self.deferred.append(("tokens", n, t))
-            return
-        self.inst._tokens(self, n, t)
-
-    def on_finished(self, t: float) -> None:
-        if not self.gate_open:
-            self.deferred.append(("finished", 0, t))
-            return
-        self.inst._finished(self, t, "length", None)
-
-    def on_transfer_started(self, t: float) -> None:
-        self.inst._transfer_started(self, t)
-
-    def on_transferred(self, t: float) -> None:
-        self.state = "transferred"
-        self.transferred.set()
-
-    # ---------------------------------------------------------------- consumer (server)
-    def push(self, ev: Event) -> None:
-        self._events.append(ev)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def events(self, gone: Callable[[], bool] | None = None) -> AsyncIterator[Event]:
-        """The request's events until `Done` or `Failed`.
-
-        `gone` is polled every 0.1 s; when it says the client has left,
-        the request is cancelled and the iteration ends, as vLLM aborts on disconnect.
-        The consumer awaits a bare future that `push` resolves: it resumes on the very next loop
-        iteration (a queue getter behind `asyncio.wait` took several, each a ~30 us system call,
-        all of it added to the token's delivery time).
-        """
-        loop = asyncio.get_running_loop()
-        next_poll = loop.time() + _POLL
-        while True:
-            woke = False
-            while not self._events:
-                if gone is not None and loop.time() >= next_poll:
-                    next_poll = loop.time() + _POLL
-                    if gone():
-                        self.cancel()
-                        return
-                waiter = self._waiter = loop.create_future()
-                timer = None if gone is None else loop.call_at(next_poll, _resolve, waiter)
-                try:
-                    await waiter
-                    woke = True
-                finally:
-                    self._waiter = None
-                    if timer is not None:
-                        timer.cancel()
-            ev = self._events.popleft()
-            if woke and not isinstance(ev, Failed) and not self.held_by_read:
-                self.inst._resumed(ev.t)
-            yield ev
-            if not isinstance(ev, Tokens):
-                return
-
-    def cancel(self) -> None:
-        self.inst._cancel(self)
-
-    def open_gate(self) -> None:
-        self.gate_open = True
-        self.held_by_read = bool(self.deferred)
-        deferred, self.deferred = self.deferred, []
-        for what, n, t in deferred:
-            if what == "tokens":
-                self.inst._tokens(self, n, t)
-            else:
-                self.inst._finished(self, t, "length", None)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class EmulatorInstance:
@@ -223,25 +68,26 @@ class EmulatorInstance:
         self.config = config
         self.profile = config.engine_profile()
         self.tokenizer = Tokenizer(config.vocab_size)
-        self.pool = BlockPool(config.num_gpu_blocks)
-        self.leases = LeaseTable(config.kv_lease_duration)
-        self.side_channel = SideChannelServer(self)
         self.metrics = EmulatorMetrics(
             model_name=config.served_name,
             max_model_len=config.model_len,
             cache_info=self._cache_info(),
             snapshot=self.snapshot,
         )
+        self.lending = KVLender(
+            config,
+            self.profile.kv_transfer.bytes_per_token,
+            self.metrics,
+            on_lent=self._lent,
+            on_returned=self._kv_returned,
+        )
         self._rng = random.Random(config.seed)
         self._index = itertools.count()
         self._jobs: dict[int, Job] = {}
-        self._block_waiters: deque[Job] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._expiry: asyncio.TimerHandle | None = None
         self._prefill: PrefillDriver | None = None
         self._decode: DecodeDriver | None = None
-        self.side_channel_port = config.side_channel_port
-        self._lead = 0.0  # the engine drivers' `lead` (`_resumed`)
+        self._lead = 0.0  # the engine drivers' `lead` (`resumed`)
         self._last_resumed = -1.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -256,9 +102,7 @@ class EmulatorInstance:
             rng_seed=seeds.getrandbits(64),
             on_preempt=self._preempted,
         )
-        self.side_channel_port = await self.side_channel.start(
-            self.config.side_channel_host, self.config.side_channel_port
-        )
+        await self.lending.start()
         self._spawn(self._heartbeats())
 
     async def close(self) -> None:
@@ -269,9 +113,7 @@ class EmulatorInstance:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        await self.side_channel.close()
-        if self._expiry is not None:
-            self._expiry.cancel()
+        await self.lending.close()
         for driver in (self._prefill, self._decode):
             if driver is not None:
                 driver.close()
@@ -285,6 +127,11 @@ class EmulatorInstance:
     def decode(self) -> DecodeDriver:
         assert self._decode is not None, "start() first"
         return self._decode
+
+    @property
+    def side_channel_port(self) -> int:
+        """The port decode peers pull this instance's KV from (`remote_port`)."""
+        return self.lending.port
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -349,7 +196,7 @@ class EmulatorInstance:
         for job in self._jobs.values():
             if job.spec.kind == "decode" and job.first_token_t < 0:
                 stages[job.state] += 1
-        waiting = p.num_waiting + d.num_waiting + len(self._block_waiters)
+        waiting = p.num_waiting + d.num_waiting + self.lending.num_waiting
         deferred = stages["transferring"]
         used = p.kv_used + self.decode.kv_tokens_used()
         return GaugeSnapshot(
@@ -422,8 +269,8 @@ class EmulatorInstance:
         if not ok:
             self.metrics.nixl_failed_notifications += 1
 
-    # ------------------------------------------------------------------ token flow
-    def _resumed(self, t: float) -> None:
+    # ------------------------------------------------------------------ JobHost (job.Job calls)
+    def resumed(self, t: float) -> None:
         """A request's handler has just taken up its event of model time `t`.
 
         Between an engine wake-up and that moment this process spends a few hundred
@@ -441,7 +288,8 @@ class EmulatorInstance:
         self._lead = min(_MAX_LEAD, max(0.0, self._lead + 0.25 * late))
         self.prefill.lead = self.decode.lead = self._lead
 
-    def _tokens(self, job: Job, n: int, t: float) -> None:
+    def emit_tokens(self, job: Job, n: int, t: float) -> None:
+        """Sample `n` tokens for `job`, record them in the metrics, and push them to it."""
         if job.done:
             return
         m = self.metrics
@@ -466,9 +314,10 @@ class EmulatorInstance:
         job.generated += n
         job.push(Tokens(ids, t))
 
-    def _finished(
+    def finish(
         self, job: Job, t: float, reason: str, kv_transfer_params: dict[str, Any] | None
     ) -> None:
+        """End `job` successfully: record it in the metrics and push `Done`."""
         if job.done:
             return
         job.done = True
@@ -495,7 +344,7 @@ class EmulatorInstance:
             self.decode.abort(job.req)
         job.push(Failed(status, message))
 
-    def _cancel(self, job: Job) -> None:
+    def cancel(self, job: Job) -> None:
         """The client is gone: stop the request wherever it is and give back its KV."""
         if job.done:
             return
@@ -505,8 +354,7 @@ class EmulatorInstance:
         if job.on_prefill_engine:
             if not self.prefill.abort(job.req):
                 job.prefill_cancelled = True  # it is being prefilled: freed when that ends
-            with contextlib.suppress(ValueError):
-                self._block_waiters.remove(job)
+            if self.lending.withdraw(job):
                 self.prefill.release(job.req)
             return
         self.decode.abort(job.req)
@@ -520,126 +368,28 @@ class EmulatorInstance:
         self.metrics.preemptions += n
 
     # ------------------------------------------------------------------ prefill legs (P side)
-    def _prefilled(self, job: Job, t: float) -> None:
+    def prefilled(self, job: Job, t: float) -> None:
+        """The prompt of `job` was prefilled at `t`: answer it, lending its KV for a P leg."""
         if job.prefill_cancelled:
             self.prefill.release(job.req)
             return
         if job.spec.kind == "local":  # a one-token plain request: done, nothing to lend
             self.prefill.release(job.req)
-            self._tokens(job, 1, t)
-            self._finished(job, t, "length", None)
+            self.emit_tokens(job, 1, t)
+            self.finish(job, t, "length", None)
             return
-        blocks = self.pool.allocate(self._blocks_for(job.prompt_tokens))
-        if blocks is None:
-            # Only reachable through per-request rounding to whole blocks: the engine admitted
-            # the prompt by tokens. Wait, FCFS, for lent blocks to come back.
-            self._block_waiters.append(job)
-            return
-        self._lend(job, blocks, t)
+        self.lending.lend(job, t)
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
+    def _lent(self, job: Job, kv_transfer_params: dict[str, Any], t: float) -> None:
+        self.emit_tokens(job, 1, t)
+        self.finish(job, t, "length", kv_transfer_params)
 
-    def _lend(self, job: Job, blocks: list[int], t: float) -> None:
-        lease = Lease(
-            request_id=job.internal_id,
-            blocks=blocks,
-            prompt_tokens=job.prompt_tokens,
-            expires=t + self.leases.duration,
-            token=job.req,
-        )
-        self.leases.hold(lease)
-        self._arm_expiry()
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [list(blocks)],
-            "remote_engine_id": self.config.engine_id,
-            "remote_request_id": job.internal_id,
-            "remote_host": self.config.side_channel_host,
-            "remote_port": self.side_channel_port,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": job.prompt_tokens,
-            "remote_blocks_expiry_time": None,
-            "remote_registration_generation": 0,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
-        }
-        self._tokens(job, 1, t)
-        self._finished(job, t, "length", params)
-
-    def _return_lease(self, lease: Lease) -> None:
-        self.pool.free(lease.blocks)
-        if isinstance(lease.token, EngineRequest):
-            self.prefill.release(lease.token)
-        now = asyncio.get_running_loop().time()
-        while self._block_waiters:
-            job = self._block_waiters[0]
-            blocks = self.pool.allocate(self._blocks_for(job.prompt_tokens))
-            if blocks is None:
-                break
-            self._block_waiters.popleft()
-            self._lend(job, blocks, now)
-
-    def _arm_expiry(self) -> None:
-        t = self.leases.next_expiry()
-        if self._expiry is not None:
-            if t is not None and self._expiry.when() == t:
-                return
-            self._expiry.cancel()
-            self._expiry = None
-        if t is not None:
-            self._expiry = asyncio.get_running_loop().call_at(t, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        for lease in self.leases.expire(asyncio.get_running_loop().time()):
-            log.info(
-                "KV lease of %s expired; freeing %d blocks", lease.request_id, len(lease.blocks)
-            )
-            self.metrics.nixl_kv_expired_reqs += 1
-            self._return_lease(lease)
-        self._arm_expiry()
-
-    # side channel (SideChannelHandler)
-    def kv_read(self, request_id: str, engine_id: str, block_ids: Any) -> dict[str, Any]:
-        lease = self.leases.get(request_id)
-        if lease is None:
-            if self.leases.was_expired(request_id):
-                return {"ok": False, "error": f"KV blocks of {request_id} expired"}
-            return {"ok": False, "error": f"unknown request id {request_id}"}
-        if engine_id != self.config.engine_id:
-            return {"ok": False, "error": f"engine id mismatch: {engine_id}"}
-        if block_ids != [lease.blocks]:
-            return {"ok": False, "error": f"block ids do not match those of {request_id}"}
-        num_blocks = len(lease.blocks)
-        size = num_blocks * self.config.block_size * self.profile.kv_transfer.bytes_per_token
-        return {
-            "ok": True,
-            "num_tokens": lease.prompt_tokens,
-            "num_blocks": num_blocks,
-            "bytes": int(size),
-        }
-
-    def kv_notify(self, request_id: str) -> dict[str, Any]:
-        lease = self.leases.release(request_id)
-        if lease is None:
-            if self.leases.was_expired(request_id):
-                self.metrics.nixl_notifications_after_expiry += 1
-            return {"ok": False, "error": f"unknown request id {request_id}"}
-        self._return_lease(lease)
-        self._arm_expiry()
-        return {"ok": True}
-
-    def kv_heartbeat(self, request_ids: list[str]) -> dict[str, Any]:
-        n = self.leases.extend(request_ids, asyncio.get_running_loop().time())
-        self._arm_expiry()
-        return {"ok": True, "extended": n}
+    def _kv_returned(self, req: EngineRequest) -> None:
+        self.prefill.release(req)
 
     # ------------------------------------------------------------------ decode legs (D side)
-    def _transfer_started(self, job: Job, t: float) -> None:
+    def transfer_started(self, job: Job, t: float) -> None:
+        """The modelled KV transfer of decode leg `job` started: read P's blocks now."""
         if job.spec.kind != "decode" or job.done:
             return
         job.state = "transferring"

@@ -28,11 +28,14 @@ from typing import Any
 
 from aiohttp import web
 
-from disaggpool.emulator import protocol
+from disaggpool.emulator import requests, responses
 from disaggpool.emulator.config import EmulatorConfig
-from disaggpool.emulator.instance import Done, EmulatorInstance, Failed, Job, Tokens
+from disaggpool.emulator.errors import ApiError, error_body
+from disaggpool.emulator.instance import EmulatorInstance
+from disaggpool.emulator.job import Done, Failed, Job, Tokens
 from disaggpool.emulator.metrics import CONTENT_TYPE
-from disaggpool.emulator.protocol import VLLM_VERSION, ApiError, GenerationRequest
+from disaggpool.emulator.requests import GenerationRequest
+from disaggpool.emulator.responses import VLLM_VERSION
 
 __all__ = ["RunningEmulator", "build_app", "serve"]
 
@@ -50,7 +53,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _json(obj: Any, status: int = 200) -> web.Response:
     # Exactly "application/json", without aiohttp's "; charset=utf-8", as Starlette sends it.
     return web.Response(
-        body=protocol.dumps(obj).encode(),
+        body=responses.dumps(obj).encode(),
         status=status,
         headers={"Content-Type": "application/json"},
     )
@@ -74,7 +77,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json(protocol.error_body(500, "Internal server error"), 500)
+        return _json(error_body(500, "Internal server error"), 500)
 
 
 def build_app(instance: EmulatorInstance) -> web.Application:
@@ -121,7 +124,7 @@ async def _models(request: web.Request) -> web.Response:
     meta = request.app[_META]
     cfg = inst.config
     return _json(
-        protocol.models_response(
+        responses.models_response(
             cfg.served_names, cfg.model_path, cfg.model_len, meta["created"], meta["perm"]
         )
     )
@@ -133,14 +136,14 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _body(request: web.Request) -> Any:
-    protocol.check_content_type(request.headers.get("Content-Type"))
-    return protocol.parse_json(await request.read())
+    requests.check_content_type(request.headers.get("Content-Type"))
+    return requests.parse_json(await request.read())
 
 
 async def _tokenize(request: web.Request) -> web.Response:
     inst = request.app[_INSTANCE]
     body = await _body(request)
-    ids, pieces = protocol.parse_tokenize(body, inst.tokenizer, inst.config.served_names)
+    ids, pieces = requests.parse_tokenize(body, inst.tokenizer, inst.config.served_names)
     strs = pieces if isinstance(body, dict) and body.get("return_token_strs") is True else None
     return _json(
         {
@@ -154,7 +157,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 async def _detokenize(request: web.Request) -> web.Response:
     inst = request.app[_INSTANCE]
-    ids = protocol.parse_detokenize(await _body(request), inst.tokenizer, inst.config.served_names)
+    ids = requests.parse_detokenize(await _body(request), inst.tokenizer, inst.config.served_names)
     return _json({"prompt": inst.tokenizer.decode(ids)})
 
 
@@ -195,14 +198,14 @@ def _request_id(request: web.Request, spec: GenerationRequest) -> str:
     return request.headers.get("X-Request-Id") or spec.body_request_id or uuid.uuid4().hex
 
 
-async def _generate(request: web.Request, endpoint: protocol.Endpoint) -> web.StreamResponse:
+async def _generate(request: web.Request, endpoint: requests.Endpoint) -> web.StreamResponse:
     inst = request.app[_INSTANCE]
     body = await _body(request)
-    parse = protocol.parse_completion if endpoint == "completions" else protocol.parse_chat
+    parse = requests.parse_completion if endpoint == "completions" else requests.parse_chat
     spec = parse(body, inst.tokenizer, inst.config.served_names, inst.config.model_len)
     request_id = _request_id(request, spec)
     job = inst.submit(spec, request_id)
-    out = _Output(inst, job, endpoint, request.app[_META]["fingerprint"])
+    out = _Output(inst, job, responses.SHAPES[endpoint], request.app[_META]["fingerprint"])
     try:
         if spec.stream:
             return await out.stream(request)
@@ -217,17 +220,16 @@ class _Output:
 
     inst: EmulatorInstance
     job: Job
-    endpoint: protocol.Endpoint
+    shape: responses.Shape
     fingerprint: str
 
     def __post_init__(self) -> None:
-        prefix = "cmpl" if self.endpoint == "completions" else "chatcmpl"
-        self.rid = f"{prefix}-{self.job.request_id}"
+        self.rid = f"{self.shape.id_prefix}-{self.job.request_id}"
         self.created = int(time.time())
         self.model = self.job.spec.model or self.inst.config.served_name
 
     def _usage(self, completion: int, *, details: bool = True) -> dict[str, Any]:
-        return protocol.usage(self.job.prompt_tokens, completion, details=details)
+        return responses.usage(self.job.prompt_tokens, completion, details=details)
 
     async def whole(self, request: web.Request) -> web.Response:
         ids: list[int] = []
@@ -235,15 +237,11 @@ class _Output:
             if isinstance(ev, Tokens):
                 ids.extend(ev.ids)
             elif isinstance(ev, Failed):
-                return _json(protocol.error_body(ev.status, ev.message), ev.status)
+                return _json(error_body(ev.status, ev.message), ev.status)
             else:
-                build = (
-                    protocol.completion_response
-                    if self.endpoint == "completions"
-                    else protocol.chat_response
-                )
                 return _json(
-                    build(
+                    responses.response(
+                        self.shape,
                         self.rid,
                         self.created,
                         self.model,
@@ -255,19 +253,16 @@ class _Output:
                     )
                 )
         # The client left: the request was aborted and nobody reads this answer.
-        return _json(protocol.error_body(500, "Request aborted: the client disconnected"), 500)
+        return _json(error_body(500, "Request aborted: the client disconnected"), 500)
 
     def _chunk(
         self, text: str, finish: Done | None = None, use: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         reason = finish.finish_reason if finish else None
         kv = finish.kv_transfer_params if finish else None
-        if self.endpoint == "completions":
-            return protocol.completion_chunk(
-                self.rid, self.created, self.model, text, reason, use, kv
-            )
-        delta = {"content": text}
-        return protocol.chat_chunk(self.rid, self.created, self.model, delta, reason, use, kv)
+        return responses.chunk(
+            self.shape, self.rid, self.created, self.model, text, reason, use, kv
+        )
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         spec = self.job.spec
@@ -277,19 +272,16 @@ class _Output:
         await resp.prepare(request)
 
         async def send(obj: dict[str, Any]) -> None:
-            await resp.write(f"data: {protocol.dumps(obj)}\n\n".encode())
+            await resp.write(f"data: {responses.dumps(obj)}\n\n".encode())
 
         def use(n: int) -> dict[str, Any] | None:
             return self._usage(n, details=False) if spec.continuous_usage else None
 
         sent = 0
         try:
-            if self.endpoint == "chat":
-                role = {"role": "assistant", "content": ""}
+            if self.shape.role_chunk:
                 await send(
-                    protocol.chat_chunk(
-                        self.rid, self.created, self.model, role, use=use(0), first=True
-                    )
+                    responses.role_chunk(self.shape, self.rid, self.created, self.model, use(0))
                 )
             held: str | None = None  # the last tokens' text waits for the finish reason
             total = self.job.output_tokens
@@ -304,15 +296,10 @@ class _Output:
                 elif isinstance(ev, Done):
                     await send(self._chunk(held or "", finish=ev, use=use(sent)))
                     if spec.include_usage:
-                        obj = (
-                            "text_completion"
-                            if self.endpoint == "completions"
-                            else ("chat.completion.chunk")
-                        )
                         await send(
-                            protocol.usage_chunk(
+                            responses.usage_chunk(
+                                self.shape,
                                 self.rid,
-                                obj,
                                 self.created,
                                 self.model,
                                 self._usage(sent, details=False),
@@ -320,7 +307,7 @@ class _Output:
                             )
                         )
                 else:
-                    await send(protocol.error_body(ev.status, ev.message))
+                    await send(error_body(ev.status, ev.message))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:

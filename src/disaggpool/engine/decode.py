@@ -13,8 +13,16 @@ time of m steps from step S is ``m * alpha + beta * (m * S + m * (m - 1) / 2)`` 
 ``alpha = d0 + d1 * B + d2 * A`` and ``beta = d2 * B`` (A is sum of join contexts minus join
 steps). The engine therefore wakes only when something happens (a completion, a preemption, a
 join, a transfer finishing), never once per token, and keeps O(1) aggregates so that a snapshot
-costs O(1). Its users (`sim.cluster`, later the emulator) call `enqueue`, `advance` and
+costs O(1). Its users (`sim.cluster`, `emulator.engine_driver`) call `enqueue`, `advance` and
 `next_wakeup`; it reads no clock: time is always passed in.
+
+A live server (the emulator) needs a little more, all of it here so that no caller reaches into
+the bookkeeping: `abort` (a client gone, a KV pull failed; a running sequence cannot leave
+mid-step, since the step's time depends on the batch, so it leaves at the next boundary, as an
+abort reaches vLLM's scheduler between two steps), `next_boundary` and `produced` (a streaming
+client needs every token, not only the events), `prefill_end` (the first token of a prompt
+computed here is sampled by its prefill pass) and `jitter_per_step` (redraw the jitter factor
+at every boundary instead of once per batch change).
 """
 
 from __future__ import annotations
@@ -52,7 +60,13 @@ class DecodeEngine:
         *,
         jitter: float = 0.0,
         rng: random.Random | None = None,
+        jitter_per_step: bool = False,
     ) -> None:
+        """`jitter_per_step` redraws the jitter factor at every step boundary, and so wakes at
+        every one; the default draws once per batch change, which keeps the simulator's analytic
+        chunks whole. A live server wakes at every boundary anyway (streaming clients need each
+        token) and redraws, so that step times vary step by step as a GPU's do and a client
+        timing many steps sees the profile's mean rather than one draw held for the batch."""
         self.name = name
         self.profile = profile
         self._d0, self._d1, self._d2 = profile.decode.d0, profile.decode.d1, profile.decode.d2
@@ -70,12 +84,16 @@ class DecodeEngine:
             0.0  # one-off time added to the step after S (recompute of rejoining requests)
         )
         self._g = 1.0  # jitter factor of the current chunk
+        self.jitter_per_step = jitter_per_step
+        self._jitter_step = -1  # the boundary whose steps' jitter factor was last drawn
         self.running: dict[int, EngineRequest] = {}  # admission order: the last one is the victim
         self._finish: list[tuple[int, int, EngineRequest]] = []  # (finish step, index, request)
         self.waiting: deque[EngineRequest] = deque()
         self._transfers: list[tuple[float, int, EngineRequest]] = []  # (done time, index, request)
         self._ready: list[tuple[float, EngineRequest]] = []  # KV here, joining at the next boundary
         self._reserved = 0  # KV tokens held by transferring and ready requests
+        # Aborted running sequences (`abort`): index -> (request, the boundary where it leaves).
+        self._leaving: dict[int, tuple[EngineRequest, int]] = {}
         self.preemptions = 0
         self.rejected: list[EngineRequest] = []
 
@@ -138,6 +156,23 @@ class DecodeEngine:
     def idle(self) -> bool:
         return not (self.batch or self.waiting or self._transfers or self._ready)
 
+    def is_running(self, req: EngineRequest) -> bool:
+        """Whether `req` is in the running batch (an aborted one is until the next boundary)."""
+        return self.running.get(req.index) is req
+
+    def produced(self, req: EngineRequest) -> int:
+        """Output tokens `req` has produced by boundary `step` (it must be running)."""
+        return req.generated + self.step - req.join_step
+
+    def next_boundary(self) -> float | None:
+        """When the step in progress ends (None with no running batch)."""
+        return self.t_step + self._steps_time(1) if self.batch else None
+
+    def prefill_end(self) -> float:
+        """When the prefill part of the step after boundary `step` ends: the requests that
+        joined there with their prompt computed here (recompute) have their prefill done then."""
+        return self.t_step + self._extra
+
     # ------------------------------------------------------------------ inputs
     def enqueue(self, req: EngineRequest, now: float) -> list[EngineRequest]:
         """A request whose prompt was prefilled elsewhere arrives; returns transfers started.
@@ -150,6 +185,37 @@ class DecodeEngine:
             return []
         self.waiting.append(req)
         return self._admit(now)
+
+    def abort(self, req: EngineRequest, now: float) -> tuple[bool, list[EngineRequest]]:
+        """Stop `req` wherever it is; returns (gone now, transfers started by the room it left).
+
+        A waiting, transferring or ready request leaves at once and gives back its KV. A running
+        sequence cannot leave mid-step (the step time depends on the batch): it stays until the
+        first step boundary after `now`, which `next_wakeup` then returns, leaves there without
+        being reported finished, and (False, []) is returned now. A finished or unknown request:
+        (True, []). Like `enqueue`, call it with no wake-up before `now` left unprocessed.
+        """
+        if self.is_running(req):
+            if req.index not in self._leaving:
+                self._leaving[req.index] = (req, self.step + self._steps_done_by(now) + 1)
+            return False, []
+        ctx = req.prompt_tokens + req.generated
+        for i, r in enumerate(self.waiting):
+            if r is req:
+                del self.waiting[i]
+                return True, self._admit(now)
+        for i, (_, _, r) in enumerate(self._transfers):
+            if r is req:
+                self._transfers.pop(i)
+                heapq.heapify(self._transfers)
+                self._reserved -= ctx
+                return True, self._admit(now)
+        for i, (_, r) in enumerate(self._ready):
+            if r is req:
+                self._ready.pop(i)
+                self._reserved -= ctx
+                return True, self._admit(now)
+        return True, []
 
     def _admit(self, now: float) -> list[EngineRequest]:
         if not self.waiting:
@@ -196,6 +262,10 @@ class DecodeEngine:
         m = min(m, free // self.batch - self.step + 1)  # first boundary where a step would not fit
         if self._ready:
             m = min(m, self._steps_done_by(min(r for r, _ in self._ready)) + 1)
+        if self._leaving:
+            m = min(m, min(step for _, step in self._leaving.values()) - self.step)
+        if self.jitter_per_step:
+            m = min(m, 1)  # its jitter factor is redrawn at every boundary
         m = max(m, 0)
         return min(t, self.t_step + (self._steps_time(m) if m else 0.0))
 
@@ -215,6 +285,8 @@ class DecodeEngine:
                 self.t_step += self._steps_time(m)
                 self.step += m
                 self._extra = 0.0
+                if self._leaving:
+                    self._drop_leaving()
                 while self._finish and self._finish[0][0] <= self.step:
                     step, _, req = heapq.heappop(self._finish)
                     if self.running.get(req.index) is not req or req.finish_step != step:
@@ -237,6 +309,10 @@ class DecodeEngine:
             self._join_ready(now)
         else:
             started = self._admit(now)
+        if self.jitter_per_step and at_boundary and self.step != self._jitter_step:
+            self._jitter_step = self.step
+            if self._jitter and self.batch:
+                self._g = max(0.5, min(1.5, self._rng.gauss(1.0, self._jitter)))
         return finished, transferred, started
 
     # ------------------------------------------------------------ batch changes (at boundaries)
@@ -245,6 +321,16 @@ class DecodeEngine:
         self._a -= req.prompt_tokens + req.generated - req.join_step
         self._gen_base -= req.join_step - req.generated
         self.running_prompt_tokens -= req.prompt_tokens
+
+    def _drop_leaving(self) -> None:
+        """Remove the aborted sequences due to leave by boundary S (their finish entries go
+        stale, so they are never reported finished)."""
+        for index, (req, step) in list(self._leaving.items()):
+            if step <= self.step:
+                del self._leaving[index]
+                if self.running.get(index) is req:
+                    del self.running[index]
+                    self._remove(req)
 
     def _preempt_until_fits(self) -> bool:
         """Preempt the newest sequences until the next step fits; True if any was preempted."""
@@ -255,6 +341,8 @@ class DecodeEngine:
             idx = next(reversed(self.running))
             victim = self.running.pop(idx)
             self._remove(victim)
+            if self._leaving.pop(idx, None) is not None:
+                continue  # aborted anyway: its KV is freed, nothing to recompute
             victim.generated += self.step - victim.join_step
             victim.recompute = True
             victim.preemptions += 1

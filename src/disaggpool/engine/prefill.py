@@ -8,7 +8,8 @@ blocks are allocated when its first chunk is scheduled and stay allocated until 
 instance has pulled them (`release`), so a slow decode pool backs up into prefill, as in vLLM.
 
 One wake-up per iteration: prefill iterations are long (tens to hundreds of milliseconds), so
-this costs little. Used by `sim.cluster` (and later the emulator); time is always passed in.
+this costs little. Used by `sim.cluster` and `emulator.engine_driver` (which also `abort`s the
+requests of clients that went away); time is always passed in.
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ class PrefillEngine:
         self.queue.append(req)
         if self.busy_until is None:
             self._start(now)
+
+    def abort(self, req: EngineRequest, now: float) -> bool:
+        """Drop `req` and give back its KV, unless it is in the running iteration: then it
+        finishes (its owner `release`s it after) and False is returned. A request that already
+        finished, or was never queued, is a no-op (True)."""
+        if any(r is req for r, _ in self._batch):
+            return False
+        try:
+            self.queue.remove(req)  # EngineRequest compares by identity
+        except ValueError:
+            return True
+        if self._offset.pop(req.index, None) is not None:
+            self.kv_used -= req.prompt_tokens  # its first chunk had allocated the prompt's KV
+        if self.busy_until is None and self.queue:
+            self._start(now)
+        return True
 
     def release(self, req: EngineRequest, now: float) -> None:
         """The decode side pulled this request's KV: free its blocks."""

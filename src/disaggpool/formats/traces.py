@@ -9,8 +9,10 @@ class), sorted by arrival. `read_trace` accepts two CSV dialects, detected from 
   (wall-clock timestamps such as ``2023-11-16 18:17:03.9799600``), re-based so that the earliest
   request arrives at 0 s.
 
-Callers: the CLI and scenario loader read traces with `read_trace`; workload tools write derived
-traces with `write_trace`; `disaggpool.sim.workload` transforms the resulting lists in memory.
+Callers: the CLI, the load generator and the scenario loader read traces with `read_trace`;
+`formats.embedded` parses the traces shipped inside the package with `parse_trace`; workload
+tools write derived traces with `write_trace`; `disaggpool.sim.workload` transforms the resulting
+lists in memory.
 Every problem with a file is raised as `disaggpool.errors.InputError` naming the file, the line
 and the field (for example ``trace.csv: line 17: prompt_tokens: ...``).
 """
@@ -27,7 +29,14 @@ from pathlib import Path
 
 from disaggpool.errors import InputError
 
-__all__ = ["AZURE_HEADER", "TRACE_HEADER", "TraceRequest", "read_trace", "write_trace"]
+__all__ = [
+    "AZURE_HEADER",
+    "TRACE_HEADER",
+    "TraceRequest",
+    "parse_trace",
+    "read_trace",
+    "write_trace",
+]
 
 TRACE_HEADER = ("arrival_s", "prompt_tokens", "output_tokens")
 """Columns of our own trace format; an optional fourth column ``slo_class`` may follow."""
@@ -65,7 +74,24 @@ def read_trace(path: str | Path, *, default_class: str = "") -> list[TraceReques
     Raises `InputError` for an unreadable, empty or malformed file.
     """
     source = str(path)
-    rows = _read_rows(path, source)
+    try:
+        # utf-8-sig drops a byte-order mark that spreadsheet exports put before the header.
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            return parse_trace(fh, source, default_class=default_class)
+    except OSError as exc:
+        raise InputError(source, _FILE_FIELD, f"cannot read: {exc.strerror or exc}") from exc
+
+
+def parse_trace(
+    lines: Iterable[str], source: str, *, default_class: str = ""
+) -> list[TraceRequest]:
+    """Parse trace text already opened by the caller (`read_trace`, `formats.embedded`).
+
+    `lines` is an iterable of decoded CSV lines as a file opened with ``encoding="utf-8-sig"``
+    and ``newline=""`` yields them (a byte-order mark already dropped); `source` names it in
+    errors. Same formats, checks and errors as `read_trace`.
+    """
+    rows = _read_rows(lines, source)
     if not rows:
         raise InputError(source, _FILE_FIELD, "no requests")
     header_line, header = rows[0]
@@ -112,13 +138,11 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def _read_rows(path: str | Path, source: str) -> list[_Row]:
-    """All non-blank CSV records of the file with their line numbers."""
+def _read_rows(lines: Iterable[str], source: str) -> list[_Row]:
+    """All non-blank CSV records with their line numbers."""
     try:
-        # utf-8-sig drops a byte-order mark that spreadsheet exports put before the header.
-        with open(path, encoding="utf-8-sig", newline="") as fh:
-            reader = csv.reader(fh)
-            return [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
+        reader = csv.reader(lines)
+        return [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
     except OSError as exc:
         raise InputError(source, _FILE_FIELD, f"cannot read: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:

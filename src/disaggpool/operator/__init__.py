@@ -3,10 +3,13 @@
 Modules, in data-flow order (docs/operator.md has the picture):
 
 * `spec`     -- the typed spec: parse and validate a CR's ``spec`` (pure; errors name the field);
-* `render`   -- pure functions from (pool, spec) to Kubernetes objects and from observed objects to
-  the CR's status (tested with golden files);
-* `kube`     -- the only module that talks to the Kubernetes API (async REST over aiohttp);
-* `reconcile` -- one idempotent reconcile pass of a pool, written against `kube`;
+* `names`    -- object names, common labels, the owner reference and spec hash (pure);
+* `render`   -- the pool's workloads from (pool, spec): vLLM Deployments and Services, the router,
+  RBAC (pure, tested with golden files);
+* `observed` -- pods, profile ConfigMaps and probe Jobs read back, as small views (pure);
+* `calibration_plan` -- which pods need a probe, the probe Job, what to prune or adopt (pure);
+* `status`   -- the CR's status and conditions (pure);
+* `reconcile` -- one idempotent reconcile pass of a pool, through `disaggpool.kubeclient`;
 * `handlers` -- the Kopf wiring: which events trigger a reconcile, coalescing per pool.
 
 `disaggpool operator` runs it (``kopf run`` of `handlers`).

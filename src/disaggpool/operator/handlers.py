@@ -22,9 +22,20 @@ from typing import Any
 
 import kopf
 
-from disaggpool.operator.kube import ApiError, Kube
-from disaggpool.operator.reconcile import reconcile
-from disaggpool.operator.render import GROUP, L_COMPONENT, L_POOL, L_PROFILE
+from disaggpool.kubeclient import ApiError, Kube
+from disaggpool.labels import (
+    COMPONENT_CALIBRATION,
+    COMPONENT_LABEL,
+    GROUP,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    PLURAL,
+    POOL_LABEL,
+    PROFILE_LABEL,
+    PROFILE_LABEL_VALUE,
+    VERSION,
+)
+from disaggpool.operator.reconcile import pool_path, reconcile
 
 __all__ = ["DEFAULT_IMAGE", "Coalescer"]
 
@@ -95,7 +106,7 @@ async def _resync(period: float) -> None:
     while True:
         await asyncio.sleep(period)
         try:
-            items = await _coalescer().kube.list(f"/apis/{GROUP}/v1alpha1/disaggpools", {})
+            items = await _coalescer().kube.list(pool_path(None), {})
         except (TimeoutError, ApiError, OSError) as exc:
             log.warning("resync list failed: %s", exc)
             continue
@@ -127,7 +138,7 @@ async def _cleanup(**_: Any) -> None:
         await _state.pop("coalescer").close()
 
 
-@kopf.on.event(GROUP, "v1alpha1", "disaggpools")
+@kopf.on.event(GROUP, VERSION, PLURAL)
 async def _pool_event(
     event: kopf.RawEvent, namespace: str | None, name: str | None, **_: Any
 ) -> None:
@@ -136,28 +147,30 @@ async def _pool_event(
 
 
 def _trigger_from_labels(namespace: str | None, labels: kopf.Labels) -> None:
-    pool = labels.get(L_POOL)
+    pool = labels.get(POOL_LABEL)
     if namespace and pool:
         _coalescer().trigger(namespace, pool)
 
 
-@kopf.on.event("v1", "pods", labels={L_POOL: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
 async def _pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)
 
 
-@kopf.on.event("v1", "configmaps", labels={L_POOL: kopf.PRESENT, L_PROFILE: "true"})
+@kopf.on.event(
+    "v1", "configmaps", labels={POOL_LABEL: kopf.PRESENT, PROFILE_LABEL: PROFILE_LABEL_VALUE}
+)
 async def _profile_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)
 
 
-@kopf.on.event("batch", "v1", "jobs", labels={L_POOL: kopf.PRESENT, L_COMPONENT: "calibration"})
+@kopf.on.event(
+    "batch", "v1", "jobs", labels={POOL_LABEL: kopf.PRESENT, COMPONENT_LABEL: COMPONENT_CALIBRATION}
+)
 async def _job_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)
 
 
-@kopf.on.event(
-    "apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": "disaggpool-operator"}
-)
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: MANAGED_BY})
 async def _deployment_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)

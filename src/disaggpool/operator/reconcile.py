@@ -5,7 +5,8 @@ cluster holds and writes only what differs, so running it twice in a row writes 
 count requests to prove it). Every write leaves an Event on the pool. A spec that fails validation
 is reported as the `Degraded` condition plus a Warning event and is otherwise ignored: the objects
 rendered from the last valid spec (remembered in an annotation on the pool) keep running and keep
-being calibrated. Calls `render` (pure) and `kube` (I/O); handlers decides when to call it.
+being calibrated. Calls the pure modules (`render`, `observed`, `calibration_plan`, `status`)
+and `disaggpool.kubeclient` (I/O); `handlers` decides when to call it.
 """
 
 from __future__ import annotations
@@ -18,25 +19,34 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from disaggpool.operator import render
-from disaggpool.operator.kube import ApiError, Kube, path_for
-from disaggpool.operator.render import (
+from disaggpool.kubeclient import ApiError, Kube, path_for, pod_ready
+from disaggpool.labels import (
     API_VERSION,
-    GROUP,
-    HASH_ANNOTATION,
-    L_COMPONENT,
-    L_POOL,
-    L_PROFILE,
-    PoolRef,
+    APPLIED_SPEC_ANNOTATION,
+    COMPONENT_CALIBRATION,
+    COMPONENT_LABEL,
+    COMPONENT_ROUTER,
+    KIND,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    POD_LABEL,
+    POOL_LABEL,
+    PROFILE_LABEL,
+    PROFILE_LABEL_VALUE,
+    SPEC_HASH_ANNOTATION,
 )
+from disaggpool.operator.calibration_plan import CalibrationPlan, plan_calibration
+from disaggpool.operator.names import PoolRef, owner_reference
+from disaggpool.operator.observed import job_view, pod_view, profile_view
+from disaggpool.operator.render import render_pool
 from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
+from disaggpool.operator.status import compute_status
 
-__all__ = ["APPLIED_SPEC_ANNOTATION", "ReconcileResult", "pool_path", "reconcile"]
+__all__ = ["ReconcileResult", "pool_path", "reconcile"]
 
 log = logging.getLogger("disaggpool.operator")
 
-APPLIED_SPEC_ANNOTATION = f"{GROUP}/applied-spec"
-_MANAGED = {"app.kubernetes.io/managed-by": "disaggpool-operator"}
+_MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
 # Kinds a pool consists of, for pruning what a spec change no longer renders.
 _PRUNABLE = (
     ("apps/v1", "Deployment"),
@@ -52,8 +62,9 @@ _CLEARABLE_POD_FIELDS = ("nodeSelector", "tolerations", "affinity")
 _WAVES = {"RoleBinding": 1, "Deployment": 2}
 
 
-def pool_path(namespace: str, name: str | None = None) -> str:
-    return path_for(API_VERSION, "DisaggPool", namespace, name)
+def pool_path(namespace: str | None, name: str | None = None) -> str:
+    """The REST path of a DisaggPool (no `namespace`: of all pools in the cluster)."""
+    return path_for(API_VERSION, KIND, namespace, name)
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,8 +113,8 @@ async def _apply(kube: Kube, obj: Mapping[str, Any]) -> str:
                 raise
             return ""
         return "created"
-    have = ((current.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
-    if have == md["annotations"][HASH_ANNOTATION]:
+    have = ((current.get("metadata") or {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
+    if have == md["annotations"][SPEC_HASH_ANNOTATION]:
         return ""
     await kube.merge_patch(path, _update_patch(obj, current))
     return "updated"
@@ -164,7 +175,7 @@ async def reconcile(
         ):
             await note("InvalidSpec", message, warning=True)
     elif spec is not None:
-        desired = render.render_pool(pool, spec)
+        desired = render_pool(pool, spec)
         outcomes = {}
         # In waves: a RoleBinding is refused (404) until its Role exists, and pods should not
         # start before their ServiceAccount and config exist. Within a wave, in parallel.
@@ -194,36 +205,35 @@ async def reconcile(
             )
         applied_generation = pool.generation
 
+    profiles = {POOL_LABEL: name, PROFILE_LABEL: PROFILE_LABEL_VALUE}
     pods_raw, cms_raw, jobs_raw = await asyncio.gather(
-        kube.list(path_for("v1", "Pod", namespace), {L_POOL: name}),
-        kube.list(path_for("v1", "ConfigMap", namespace), {L_POOL: name, L_PROFILE: "true"}),
+        kube.list(path_for("v1", "Pod", namespace), {POOL_LABEL: name}),
+        kube.list(path_for("v1", "ConfigMap", namespace), profiles),
         kube.list(
-            path_for("batch/v1", "Job", namespace), {L_POOL: name, L_COMPONENT: "calibration"}
+            path_for("batch/v1", "Job", namespace),
+            {POOL_LABEL: name, COMPONENT_LABEL: COMPONENT_CALIBRATION},
         ),
     )
-    pods = [v for v in map(render.pod_view, pods_raw) if v is not None]
+    pods = [v for v in map(pod_view, pods_raw) if v is not None]
     router_ready = sum(
         1
         for p in pods_raw
-        if ((p.get("metadata") or {}).get("labels") or {}).get(L_COMPONENT) == "router"
-        and any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in (p.get("status") or {}).get("conditions") or []
-        )
+        if ((p.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL) == COMPONENT_ROUTER
+        and pod_ready(p)
     )
     plan = None
     if effective is not None:
-        plan = render.plan_calibration(
+        plan = plan_calibration(
             pool,
             effective,
             pods,
-            [render.profile_view(c) for c in cms_raw],
-            [j for j in map(render.job_view, jobs_raw) if j is not None],
+            [profile_view(c) for c in cms_raw],
+            [j for j in map(job_view, jobs_raw) if j is not None],
             now,
         )
         await _execute(kube, pool, plan, result, note, previous)
 
-    status = render.compute_status(
+    status = compute_status(
         pool, effective, issues, applied_generation, pods, plan, router_ready, previous, now
     )
     patch = _status_patch(previous, status)
@@ -235,7 +245,7 @@ async def reconcile(
 
 async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:
     """Delete objects of this pool that the current spec no longer renders."""
-    selector = {L_POOL: pool.name, **_MANAGED}
+    selector = {POOL_LABEL: pool.name, **_MANAGED}
     found = await asyncio.gather(
         *(kube.list(path_for(v, k, pool.namespace), selector) for v, k in _PRUNABLE)
     )
@@ -254,7 +264,7 @@ async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:
 async def _execute(
     kube: Kube,
     pool: PoolRef,
-    plan: render.CalibrationPlan,
+    plan: CalibrationPlan,
     result: ReconcileResult,
     note: Any,
     previous: Mapping[str, Any],
@@ -268,7 +278,7 @@ async def _execute(
                 raise
             continue
         result.jobs_created.append(job["metadata"]["name"])
-        pod = job["metadata"]["labels"][render.L_POD]
+        pod = job["metadata"]["labels"][POD_LABEL]
         await note("CalibrationStarted", f"probing pod {pod} with Job {job['metadata']['name']}")
     for name in plan.delete_jobs:
         if await kube.delete(path_for("batch/v1", "Job", ns, name)):
@@ -280,14 +290,7 @@ async def _execute(
     for name in plan.adopt_configmaps:
         # The probe writes the ConfigMap without an owner; adopting it lets the pool's deletion
         # garbage-collect it.
-        owner = {
-            "apiVersion": API_VERSION,
-            "kind": render.KIND,
-            "name": pool.name,
-            "uid": pool.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
+        owner = owner_reference(pool)
         await kube.merge_patch(
             path_for("v1", "ConfigMap", ns, name), {"metadata": {"ownerReferences": [owner]}}
         )

@@ -5,7 +5,8 @@ ranges, enums, required fields) with HTTP 422 before the operator sees anything.
 -- cross-field rules, names that must fit into derived object names, policies and predictors the
 router knows, flags the operator owns -- is checked here. `parse_spec` never raises on bad user
 input: it returns every problem as a `SpecIssue` naming the field (``decode.minReplicas``), so the
-operator can put them into a condition and an event instead of crash-looping.
+operator can put them into a condition and an event instead of crash-looping. Fields are read with
+`formats.fields.FieldReader`, collecting problems (`CollectProblems`) in Kubernetes wording.
 
 Defaults live here, not in the CRD, so there is one place that states them (docs/operator.md lists
 them) and the kmock tests (no server-side defaulting) see the same behaviour as a real cluster.
@@ -19,9 +20,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import POLICY_NAMES
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
+from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, Section
 
 __all__ = [
     "MANAGED_VLLM_FLAGS",
@@ -37,6 +40,7 @@ __all__ = [
     "SLOClassSpec",
     "SpecIssue",
     "VariantSpec",
+    "check_pool_name",
     "parse_spec",
 ]
 
@@ -135,11 +139,8 @@ class RoleSpec:
         return sum(v.replicas for v in self.variants)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SLOClassSpec:
-    name: str
-    ttft_s: float
-    tpot_s: float
+# A CR's SLO class is the router's SLO class: one type, so nothing converts between them.
+SLOClassSpec = SLOClass
 
 
 DEFAULT_SLO_CLASSES = (SLOClassSpec("interactive", 1.0, 0.05),)
@@ -172,7 +173,8 @@ class CalibrationSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
-    """Read by the decode autoscaler (a later issue); the bounds are decode.min/maxReplicas."""
+    """Accepted and validated; no autoscaler reads it yet (issue #14). The bounds are
+    decode.min/maxReplicas."""
 
     enabled: bool = False
     target_goodput: float = 0.9
@@ -194,173 +196,90 @@ class PoolSpec:
         return self.prefill if name == "prefill" else self.decode
 
 
-class _Reader:
-    """Typed getters over a mapping that record issues instead of raising."""
-
-    def __init__(self, issues: list[SpecIssue]) -> None:
-        self.issues = issues
-
-    def bad(self, field: str, message: str) -> None:
-        self.issues.append(SpecIssue(field, message))
-
-    def section(self, data: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, Any]:
-        value = data.get(key)
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            self.bad(prefix + key, "must be an object")
-            return {}
-        return value
-
-    def string(self, data: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
-        value = data.get(key, default)
-        if not isinstance(value, str):
-            self.bad(prefix + key, f"must be a string, got {value!r}")
-            return default
-        return value
-
-    def integer(
-        self, data: Mapping[str, Any], key: str, prefix: str, default: int, minimum: int = 0
-    ) -> int:
-        value = data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.bad(prefix + key, f"must be an integer, got {value!r}")
-            return default
-        if value < minimum:
-            self.bad(prefix + key, f"must be >= {minimum}, got {value}")
-            return default
-        return value
-
-    def number(
-        self, data: Mapping[str, Any], key: str, prefix: str, default: float, *, positive: bool
-    ) -> float:
-        value = data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            self.bad(prefix + key, f"must be a number, got {value!r}")
-            return default
-        if value < 0 or (positive and value == 0):
-            self.bad(prefix + key, f"must be {'> 0' if positive else '>= 0'}, got {value}")
-            return default
-        return float(value)
-
-    def boolean(self, data: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
-        value = data.get(key, default)
-        if not isinstance(value, bool):
-            self.bad(prefix + key, f"must be true or false, got {value!r}")
-            return default
-        return value
-
-    def strings(self, data: Mapping[str, Any], key: str, prefix: str) -> tuple[str, ...]:
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            self.bad(prefix + key, "must be a list of strings")
-            return ()
-        return tuple(value)
-
-    def objects(
-        self, data: Mapping[str, Any], key: str, prefix: str
-    ) -> tuple[Mapping[str, Any], ...]:
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
-            self.bad(prefix + key, "must be a list of objects")
-            return ()
-        return tuple(value)
-
-    def string_map(self, data: Mapping[str, Any], key: str, prefix: str) -> Mapping[str, str]:
-        value = data.get(key, {})
-        if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            self.bad(prefix + key, "must be a map of strings")
-            return {}
-        return dict(value)
-
-
-def _check_extra_args(r: _Reader, args: tuple[str, ...], field: str) -> None:
+def _check_extra_args(sec: Section, key: str, args: tuple[str, ...]) -> None:
     for arg in args:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_VLLM_FLAGS:
-            r.bad(field, f"{flag} is set by the operator; remove it from extraArgs")
+            sec.problem(key, f"{flag} is set by the operator; remove it from extraArgs")
 
 
-def _role(r: _Reader, data: Mapping[str, Any], role: str) -> RoleSpec:
-    p = f"{role}."
-    sec = r.section(data, role, "")
+def _role(doc: Section, role: str) -> RoleSpec:
+    sec = doc.section(role)
     base = VariantSpec(
         name="",
-        replicas=r.integer(sec, "replicas", p, 1),
-        gpus=r.integer(sec, "gpus", p, 1, minimum=1),
-        gpu_resource=r.string(sec, "gpuResource", p, "nvidia.com/gpu"),
-        gpu_type=r.string(sec, "gpuType", p, ""),
-        node_selector=r.string_map(sec, "nodeSelector", p),
-        tolerations=r.objects(sec, "tolerations", p),
-        affinity=r.section(sec, "affinity", p),
-        extra_args=r.strings(sec, "extraArgs", p),
+        replicas=sec.integer("replicas", 1, minimum=0),
+        gpus=sec.integer("gpus", 1, minimum=1),
+        gpu_resource=sec.string("gpuResource", "nvidia.com/gpu"),
+        gpu_type=sec.string("gpuType"),
+        node_selector=sec.string_map("nodeSelector"),
+        tolerations=sec.mappings("tolerations"),
+        affinity=sec.section("affinity").data,
+        extra_args=sec.strings("extraArgs"),
     )
     if not _RESOURCE_NAME.match(base.gpu_resource):
-        r.bad(p + "gpuResource", f"not a resource name: {base.gpu_resource!r}")
-    _check_extra_args(r, base.extra_args, p + "extraArgs")
+        sec.problem("gpuResource", f"not a resource name: {base.gpu_resource!r}")
+    _check_extra_args(sec, "extraArgs", base.extra_args)
     variants: list[VariantSpec] = []
     seen: set[str] = set()
-    for i, raw in enumerate(r.objects(sec, "variants", p)):
-        vp = f"{p}variants[{i}]."
-        name = r.string(raw, "name", vp, "")
+    for v in sec.sections("variants"):
+        name = v.string("name")
         if not _DNS_LABEL.match(name) or len(name) > MAX_VARIANT_NAME:
-            r.bad(vp + "name", f"must be a DNS label of at most {MAX_VARIANT_NAME} characters")
+            v.problem("name", f"must be a DNS label of at most {MAX_VARIANT_NAME} characters")
         elif name in seen:
-            r.bad(vp + "name", f"duplicate variant {name!r}")
+            v.problem("name", f"duplicate variant {name!r}")
         seen.add(name)
         variant = VariantSpec(
             name=name,
-            replicas=r.integer(raw, "replicas", vp, 1),
-            gpus=r.integer(raw, "gpus", vp, base.gpus, minimum=1),
-            gpu_resource=r.string(raw, "gpuResource", vp, base.gpu_resource),
-            gpu_type=r.string(raw, "gpuType", vp, base.gpu_type),
-            node_selector=r.string_map(raw, "nodeSelector", vp) or base.node_selector,
-            tolerations=r.objects(raw, "tolerations", vp) or base.tolerations,
-            affinity=r.section(raw, "affinity", vp) or base.affinity,
-            extra_args=base.extra_args + r.strings(raw, "extraArgs", vp),
+            replicas=v.integer("replicas", 1, minimum=0),
+            gpus=v.integer("gpus", base.gpus, minimum=1),
+            gpu_resource=v.string("gpuResource", base.gpu_resource),
+            gpu_type=v.string("gpuType", base.gpu_type),
+            node_selector=v.string_map("nodeSelector") or base.node_selector,
+            tolerations=v.mappings("tolerations") or base.tolerations,
+            affinity=v.section("affinity").data or base.affinity,
+            extra_args=base.extra_args + v.strings("extraArgs"),
         )
-        _check_extra_args(r, r.strings(raw, "extraArgs", vp), vp + "extraArgs")
+        _check_extra_args(v, "extraArgs", variant.extra_args[len(base.extra_args) :])
         variants.append(variant)
     if variants and "replicas" in sec:
-        r.bad(p + "replicas", "give replicas per variant when variants are listed")
+        sec.problem("replicas", "give replicas per variant when variants are listed")
     spec = RoleSpec(role=role, variants=tuple(variants) or (base,))
     if role == "decode":
-        lo = r.integer(sec, "minReplicas", p, spec.replicas)
-        hi = r.integer(sec, "maxReplicas", p, max(spec.replicas, lo))
+        lo = sec.integer("minReplicas", spec.replicas, minimum=0)
+        hi = sec.integer("maxReplicas", max(spec.replicas, lo), minimum=0)
         if lo > hi:
-            r.bad(p + "minReplicas", f"minReplicas {lo} > maxReplicas {hi}")
+            sec.problem("minReplicas", f"minReplicas {lo} > maxReplicas {hi}")
         elif not lo <= spec.replicas <= hi:
-            r.bad(
-                p + "replicas", f"{spec.replicas} is outside [minReplicas {lo}, maxReplicas {hi}]"
+            sec.problem(
+                "replicas", f"{spec.replicas} is outside [minReplicas {lo}, maxReplicas {hi}]"
             )
         spec = dataclasses.replace(spec, min_replicas=lo, max_replicas=hi)
     elif "minReplicas" in sec or "maxReplicas" in sec:
-        r.bad(p + "minReplicas", "only decode is autoscaled; prefill takes replicas")
+        sec.problem("minReplicas", "only decode is autoscaled; prefill takes replicas")
     return spec
 
 
-def _slo_classes(r: _Reader, sec: Mapping[str, Any]) -> tuple[SLOClassSpec, ...]:
-    raw = r.objects(sec, "sloClasses", "router.")
-    if not raw:
+def _slo_classes(router: Section) -> tuple[SLOClassSpec, ...]:
+    """``router.sloClasses``; not `formats.fields.read_slo_classes`: the CR's list is optional,
+    its keys are camelCase and its default class is named by ``router.defaultSloClass``."""
+    items = router.sections("sloClasses")
+    if not items:
         return DEFAULT_SLO_CLASSES
     out: list[SLOClassSpec] = []
-    for i, c in enumerate(raw):
-        cp = f"router.sloClasses[{i}]."
-        name = r.string(c, "name", cp, "")
+    for c in items:
+        name = c.string("name")
         if not name:
-            r.bad(cp + "name", "required")
+            c.problem("name", "required")
         elif name in {o.name for o in out}:
-            r.bad(cp + "name", f"duplicate SLO class {name!r}")
+            c.problem("name", f"duplicate SLO class {name!r}")
         for key in ("ttftSeconds", "tpotSeconds"):
             if key not in c:
-                r.bad(cp + key, "required")
+                c.problem(key, "required")
         out.append(
             SLOClassSpec(
                 name,
-                r.number(c, "ttftSeconds", cp, 1.0, positive=True),
-                r.number(c, "tpotSeconds", cp, 0.05, positive=True),
+                c.number("ttftSeconds", 1.0, positive=True),
+                c.number("tpotSeconds", 0.05, positive=True),
             )
         )
     return tuple(out)
@@ -372,118 +291,117 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
     `default_image` is the operator's own image: the router and the probe run it unless the spec
     names another one.
     """
-    issues: list[SpecIssue] = []
-    r = _Reader(issues)
     if not isinstance(data, Mapping):
         return None, [SpecIssue("<root>", "spec must be an object")]
+    problems = CollectProblems()
+    spec = FieldReader("spec", problems, KUBERNETES).section(data, "")
 
-    m = r.section(data, "model", "")
-    source = r.section(m, "source", "model.")
-    pvc = r.section(source, "pvc", "model.source.")
-    secret = r.section(source, "hubTokenSecret", "model.source.")
-    model_name = r.string(m, "name", "model.", "")
+    m = spec.section("model")
+    source = m.section("source")
+    pvc = source.section("pvc")
+    secret = source.section("hubTokenSecret")
+    model_name = m.string("name")
     if not model_name:
-        r.bad("model.name", "required (a hub id such as meta-llama/Llama-3.1-8B, or a path)")
-    max_len = m.get("maxModelLen")
-    if max_len is not None:
-        max_len = r.integer(m, "maxModelLen", "model.", 0, minimum=1) or None
+        m.problem("name", "required (a hub id such as meta-llama/Llama-3.1-8B, or a path)")
+    max_len: int | None = None
+    if m.data.get("maxModelLen") is not None:
+        max_len = m.integer("maxModelLen", 0, minimum=1) or None
     model = ModelSpec(
         name=model_name,
-        served_model_name=r.string(m, "servedModelName", "model.", "") or model_name,
+        served_model_name=m.string("servedModelName") or model_name,
         max_model_len=max_len,
-        pvc_claim=r.string(pvc, "claimName", "model.source.pvc.", "") or None,
-        pvc_sub_path=r.string(pvc, "subPath", "model.source.pvc.", ""),
-        mount_path=r.string(pvc, "mountPath", "model.source.pvc.", "/models"),
-        hub_token_secret=r.string(secret, "name", "model.source.hubTokenSecret.", "") or None,
-        hub_token_key=r.string(secret, "key", "model.source.hubTokenSecret.", "token"),
+        pvc_claim=pvc.string("claimName") or None,
+        pvc_sub_path=pvc.string("subPath"),
+        mount_path=pvc.string("mountPath", "/models"),
+        hub_token_secret=secret.string("name") or None,
+        hub_token_key=secret.string("key", "token"),
     )
     if pvc and not model.pvc_claim:
-        r.bad("model.source.pvc.claimName", "required when model.source.pvc is given")
+        pvc.problem("claimName", "required when model.source.pvc is given")
     if secret and not model.hub_token_secret:
-        r.bad("model.source.hubTokenSecret.name", "required when hubTokenSecret is given")
+        secret.problem("name", "required when hubTokenSecret is given")
 
-    e = r.section(data, "engine", "")
+    e = spec.section("engine")
     engine = EngineSpec(
-        image=r.string(e, "image", "engine.", ""),
-        image_pull_policy=r.string(e, "imagePullPolicy", "engine.", "IfNotPresent"),
-        extra_args=r.strings(e, "extraArgs", "engine."),
-        env=r.objects(e, "env", "engine."),
-        resources=r.section(e, "resources", "engine."),
-        shared_memory=r.string(e, "sharedMemory", "engine.", "16Gi"),
-        startup_timeout_s=r.integer(e, "startupTimeoutSeconds", "engine.", 1800, minimum=60),
+        image=e.string("image"),
+        image_pull_policy=e.string("imagePullPolicy", "IfNotPresent"),
+        extra_args=e.strings("extraArgs"),
+        env=e.mappings("env"),
+        resources=e.section("resources").data,
+        shared_memory=e.string("sharedMemory", "16Gi"),
+        startup_timeout_s=e.integer("startupTimeoutSeconds", 1800, minimum=60),
         port=8000,
     )
     if not engine.image:
-        r.bad("engine.image", "required (a vLLM image with NIXL, e.g. vllm/vllm-openai:v0.11.0)")
+        e.problem("image", "required (a vLLM image with NIXL, e.g. vllm/vllm-openai:v0.11.0)")
     if engine.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-        r.bad("engine.imagePullPolicy", "must be Always, IfNotPresent or Never")
+        e.problem("imagePullPolicy", "must be Always, IfNotPresent or Never")
     if not _QUANTITY.match(engine.shared_memory):
-        r.bad("engine.sharedMemory", f"not a quantity: {engine.shared_memory!r}")
-    _check_extra_args(r, engine.extra_args, "engine.extraArgs")
+        e.problem("sharedMemory", f"not a quantity: {engine.shared_memory!r}")
+    _check_extra_args(e, "extraArgs", engine.extra_args)
 
-    kv = r.section(data, "kvTransfer", "")
+    kv = spec.section("kvTransfer")
     kv_spec = KVTransferSpec(
-        connector=r.string(kv, "connector", "kvTransfer.", "NixlConnector"),
-        backends=r.strings(kv, "backends", "kvTransfer.") or ("UCX",),
-        side_channel_port=r.integer(kv, "sideChannelPort", "kvTransfer.", 5600, minimum=1),
-        load_failure_policy=r.string(kv, "loadFailurePolicy", "kvTransfer.", "fail"),
+        connector=kv.string("connector", "NixlConnector"),
+        backends=kv.strings("backends") or ("UCX",),
+        side_channel_port=kv.integer("sideChannelPort", 5600, minimum=1),
+        load_failure_policy=kv.string("loadFailurePolicy", "fail"),
     )
     if kv_spec.side_channel_port in (engine.port,) or kv_spec.side_channel_port > 65535:
-        r.bad("kvTransfer.sideChannelPort", "must be a free port (not 8000) below 65536")
+        kv.problem("sideChannelPort", "must be a free port (not 8000) below 65536")
     if kv_spec.load_failure_policy not in ("fail", "recompute"):
-        r.bad("kvTransfer.loadFailurePolicy", "must be fail or recompute")
+        kv.problem("loadFailurePolicy", "must be fail or recompute")
 
-    prefill = _role(r, data, "prefill")
-    decode = _role(r, data, "decode")
+    prefill = _role(spec, "prefill")
+    decode = _role(spec, "decode")
 
-    rt = r.section(data, "router", "")
-    slo = _slo_classes(r, rt)
+    rt = spec.section("router")
+    slo = _slo_classes(rt)
     router = RouterSpec(
-        image=r.string(rt, "image", "router.", "") or default_image,
-        policy=r.string(rt, "policy", "router.", "calibrated"),
-        replicas=r.integer(rt, "replicas", "router.", 1),
+        image=rt.string("image") or default_image,
+        policy=rt.string("policy", "calibrated"),
+        replicas=rt.integer("replicas", 1, minimum=0),
         slo_classes=slo,
-        default_slo_class=r.string(rt, "defaultSloClass", "router.", slo[0].name if slo else ""),
-        predictor=r.string(rt, "predictor", "router.", "online"),
-        scrape_interval_s=r.number(rt, "scrapeIntervalSeconds", "router.", 1.0, positive=True),
-        max_inflight=r.integer(rt, "maxInflight", "router.", 512, minimum=1),
-        resources=r.section(rt, "resources", "router."),
+        default_slo_class=rt.string("defaultSloClass", slo[0].name if slo else ""),
+        predictor=rt.string("predictor", "online"),
+        scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
+        max_inflight=rt.integer("maxInflight", 512, minimum=1),
+        resources=rt.section("resources").data,
     )
     if router.policy not in ROUTER_POLICIES:
-        r.bad(
-            "router.policy",
-            f"unknown policy {router.policy!r}; valid: {', '.join(ROUTER_POLICIES)}",
+        rt.problem(
+            "policy", f"unknown policy {router.policy!r}; valid: {', '.join(ROUTER_POLICIES)}"
         )
     if router.default_slo_class not in {c.name for c in slo}:
-        r.bad("router.defaultSloClass", f"{router.default_slo_class!r} is not in router.sloClasses")
+        rt.problem("defaultSloClass", f"{router.default_slo_class!r} is not in router.sloClasses")
     try:
         make_predictor(router.predictor)
     except InputError as exc:
-        r.bad("router.predictor", exc.message)
+        rt.problem("predictor", exc.message)
 
-    c = r.section(data, "calibration", "")
+    c = spec.section("calibration")
     calibration = CalibrationSpec(
-        image=r.string(c, "image", "calibration.", "") or default_image,
-        enabled=r.boolean(c, "enabled", "calibration.", True),
-        budget_s=r.number(c, "budgetSeconds", "calibration.", 60.0, positive=True),
-        max_age_s=r.integer(c, "maxAgeSeconds", "calibration.", 7 * 24 * 3600),
-        reprobe_on_poor=r.boolean(c, "reprobeOnPoor", "calibration.", True),
-        max_attempts=r.integer(c, "maxAttempts", "calibration.", 3, minimum=1),
-        max_prediction_error=r.number(c, "maxPredictionError", "calibration.", 0.0, positive=False),
-        backoff_limit=r.integer(c, "backoffLimit", "calibration.", 1),
+        image=c.string("image") or default_image,
+        enabled=c.boolean("enabled", True),
+        budget_s=c.number("budgetSeconds", 60.0, positive=True),
+        max_age_s=c.integer("maxAgeSeconds", 7 * 24 * 3600, minimum=0),
+        reprobe_on_poor=c.boolean("reprobeOnPoor", True),
+        max_attempts=c.integer("maxAttempts", 3, minimum=1),
+        max_prediction_error=c.number("maxPredictionError", 0.0),
+        backoff_limit=c.integer("backoffLimit", 1, minimum=0),
     )
 
-    a = r.section(data, "autoscaling", "")
+    a = spec.section("autoscaling")
     autoscaling = AutoscalingSpec(
-        enabled=r.boolean(a, "enabled", "autoscaling.", False),
-        target_goodput=r.number(a, "targetGoodput", "autoscaling.", 0.9, positive=True),
-        stabilization_window_s=r.integer(a, "stabilizationWindowSeconds", "autoscaling.", 300),
+        enabled=a.boolean("enabled", False),
+        target_goodput=a.number("targetGoodput", 0.9, positive=True),
+        stabilization_window_s=a.integer("stabilizationWindowSeconds", 300, minimum=0),
     )
     if autoscaling.target_goodput > 1:
-        r.bad("autoscaling.targetGoodput", "a fraction of requests: must be <= 1")
+        a.problem("targetGoodput", "a fraction of requests: must be <= 1")
 
-    if issues:
-        return None, issues
+    if problems.problems:
+        return None, [SpecIssue(p.field, p.message) for p in problems.problems]
     return (
         PoolSpec(model, engine, kv_spec, prefill, decode, router, calibration, autoscaling),
         [],

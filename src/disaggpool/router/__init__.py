@@ -1,0 +1,1 @@
+"""Generated from protos/disaggpool/router by scripts/gen_protos.sh: do not edit."""

@@ -1,12 +1,13 @@
 """Background tasks that keep the sidecar's `PoolState` current; the hot path never waits on them.
 
 * membership: a static list (once), a YAML file (re-read when it changes) or Kubernetes pods
-  selected by label (watched; a pod counts once it is Ready with an IP, and its role comes from
-  the `disaggpool.io/role` label);
+  selected by label (watched through `kubeclient.Kube.watch`; a pod counts once it is Ready with
+  an IP, and its role comes from its `labels.ROLE_LABEL`);
 * profiles: a directory of ``<pod>.yaml|.yml|.json`` files (re-read when they change; a mounted
-  ConfigMap works) or ConfigMaps selected by label (watched; pod from `disaggpool.io/pod`, the
-  profile in key `profile.yaml`, as the calibration Job writes it). A file or ConfigMap that does
-  not parse is logged with the field at fault and the pod keeps no profile: never a silent default;
+  ConfigMap works) or ConfigMaps selected by label (watched; pod from `labels.POD_LABEL`, the
+  profile in key `labels.PROFILE_KEY`, as the calibration Job writes it). A file or ConfigMap that
+  does not parse is logged with the field at fault and the pod keeps no profile: never a silent
+  default;
 * scraping: every pod's `/metrics` each `scrape_interval_s`, concurrently; a pod that refuses
   the connection, or times out or answers garbage `SCRAPE_FAILURES` times in a row, is marked
   unhealthy until a scrape succeeds;
@@ -23,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from disaggpool.core.profile import CalibrationProfile, profile_from_dict
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import FieldReader
-from disaggpool.formats.profiles import load_yaml
-from disaggpool.kubeapi import credentials
+from disaggpool.formats.profiles import load_profile, load_yaml
+from disaggpool.kubeclient import Kube, KubeUnavailable, parse_selector, path_for, pod_ready
+from disaggpool.labels import POD_LABEL, PROFILE_KEY, ROLE_LABEL, ROLES
 from disaggpool.sidecar.config import KubernetesSource, Member, SidecarConfig, parse_members
-from disaggpool.sidecar.kube import watch_objects
 from disaggpool.sidecar.scrape import MetricsFormatError, parse_gauges
 from disaggpool.sidecar.service import RoutingService
 
@@ -38,10 +40,7 @@ __all__ = ["Collectors", "members_from_pods", "profiles_from_configmaps"]
 
 log = logging.getLogger("disaggpool.sidecar")
 
-ROLE_LABEL = "disaggpool.io/role"
 SCRAPE_FAILURES = 3  # consecutive slow or malformed scrapes before a pod counts as unhealthy
-POD_LABEL = "disaggpool.io/pod"
-PROFILE_KEY = "profile.yaml"
 
 
 def members_from_pods(pods: Mapping[str, Mapping[str, Any]], port: int) -> list[Member]:
@@ -51,11 +50,7 @@ def members_from_pods(pods: Mapping[str, Mapping[str, Any]], port: int) -> list[
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         role = (meta.get("labels") or {}).get(ROLE_LABEL)
         ip = status.get("podIP")
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or []
-        )
-        if role in ("prefill", "decode") and ip and ready and not meta.get("deletionTimestamp"):
+        if role in ROLES and ip and pod_ready(pod) and not meta.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
             out.append(Member(name, role, f"http://{host}:{port}"))
     return out
@@ -79,6 +74,8 @@ def profiles_from_configmaps(
             out[pod] = profile_from_dict(load_yaml(text), source)
         except InputError as exc:
             out[pod] = exc
+        except yaml.YAMLError as exc:  # must not escape: it would end the watch
+            out[pod] = InputError(source, PROFILE_KEY, f"not valid YAML: {exc}")
     return out
 
 
@@ -102,6 +99,17 @@ class Collectors:
         self._files: dict[str, float] = {}  # path -> mtime seen
         self._profile_errors: dict[str, str] = {}
         self._k8s_profiles: dict[str, CalibrationProfile | InputError] = {}
+        self._members_file_error = ""
+
+    @property
+    def profile_errors(self) -> dict[str, str]:
+        """pod -> why its profile was last rejected (what the log said)."""
+        return dict(self._profile_errors)
+
+    @property
+    def members_file_error(self) -> str:
+        """Why the members file was last refused, "" once it parses."""
+        return self._members_file_error
 
     def start(self) -> None:
         cfg = self.config
@@ -110,11 +118,11 @@ class Collectors:
         elif cfg.members_file:
             self._spawn(self._poll_file_members(cfg.members_file))
         elif cfg.members_kubernetes is not None:
-            self._spawn(self._watch(cfg.members_kubernetes, "pods", self._on_pods))
+            self._spawn(self._watch(cfg.members_kubernetes, "Pod", self._on_pods))
         if cfg.profiles_dir:
             self._spawn(self._poll_profile_dir(Path(cfg.profiles_dir)))
         if cfg.profiles_kubernetes is not None:
-            self._spawn(self._watch(cfg.profiles_kubernetes, "configmaps", self._on_configmaps))
+            self._spawn(self._watch(cfg.profiles_kubernetes, "ConfigMap", self._on_configmaps))
         self._spawn(self._scrape_loop())
         self._spawn(self._expire_loop())
 
@@ -145,7 +153,10 @@ class Collectors:
                     self._files[path] = mtime
                     doc = load_yaml(Path(path).read_text(encoding="utf-8"))
                     self._set_members(parse_members(doc, FieldReader(path), "<document>"))
-            except (OSError, InputError) as exc:
+                    self._members_file_error = ""
+            except (OSError, InputError, yaml.YAMLError) as exc:
+                # A half-written or broken file must not end the poll: the next edit is read.
+                self._members_file_error = f"{path}: {exc}"
                 log.error("pool file %s: %s (keeping the previous membership)", path, exc)
             await asyncio.sleep(self.config.scrape_interval_s)
 
@@ -157,9 +168,14 @@ class Collectors:
     async def _watch(
         self, src: KubernetesSource, kind: str, on_change: Callable[[dict[str, Any]], None]
     ) -> None:
-        base, token, tls = credentials()
-        path = f"/api/v1/namespaces/{src.namespace}/{kind}"
-        await watch_objects(self.session, base, token, tls, path, src.selector, on_change)
+        try:
+            kube = Kube.from_environment(session=self.session)
+            selector = parse_selector(src.selector)
+        except (KubeUnavailable, ValueError) as exc:
+            # Nothing to retry: the sidecar runs without this source, loudly.
+            log.error("cannot watch %s %s: %s", src.namespace, kind, exc)
+            return
+        await kube.watch(path_for("v1", kind, src.namespace), selector, on_change)
 
     # ------------------------------------------------------------------ profiles
     def _on_configmaps(self, maps: dict[str, dict[str, Any]]) -> None:
@@ -197,9 +213,7 @@ class Collectors:
                     if self._files.get(str(path)) == mtime:
                         continue
                     self._files[str(path)] = mtime
-                    profile = profile_from_dict(
-                        load_yaml(path.read_text(encoding="utf-8")), str(path)
-                    )
+                    profile = load_profile(path)
                 except (OSError, InputError) as exc:
                     self._report_profile_error(name, str(exc))
                     continue

@@ -244,9 +244,7 @@ def parse_members(raw: Any, rd: FieldReader, path: str) -> tuple[Member, ...]:
     rd.known(m, path, {"prefill", "decode"})
     members: list[Member] = []
     for role in ("prefill", "decode"):
-        items = m.get(role)
-        if not isinstance(items, list) or not items:
-            raise rd.fail(f"{path}.{role}", "must be a non-empty list of {name, url}")
+        items = rd.nonempty_list(m.get(role), f"{path}.{role}", of="{name, url}")
         for i, item in enumerate(items):
             at = f"{path}.{role}[{i}]"
             entry: Mapping[str, Any] = rd.mapping(item, at)

@@ -2,7 +2,7 @@
 
 For ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not) it validates the
 body, measures the prompt exactly (`tokens`), asks the routing service for a (prefill, decode)
-pair and then follows `vllm-pd-protocol.md` §2.1 to the letter:
+pair and then follows `docs/vllm-protocol.md` §2.1 to the letter:
 
 1. the prefill leg: the body with ``kv_transfer_params = {do_remote_decode: true,
    do_remote_prefill: false, remote_engine_id/remote_block_ids/remote_host/remote_port: null}``,
@@ -110,14 +110,13 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ simple endpoints
     async def _health(self, request: web.Request) -> web.Response:
-        state = self.service.state
-        ok = {r: sum(i.healthy for i in state.members(r)) for r in ("prefill", "decode")}
+        ok = self.service.healthy_pods()
         status = 200 if ok["prefill"] and ok["decode"] else 503
         body = {
             "status": "ok" if status == 200 else "no healthy prefill or decode pod",
             "prefill_instances": ok["prefill"],
             "decode_instances": ok["decode"],
-            "inflight": len(state.records),
+            "inflight": self.service.inflight,
         }
         return web.json_response(body, status=status)
 
@@ -287,7 +286,7 @@ class FrontDoor:
                     raise  # the request's fault, not the pod's: another pod would refuse it too
                 failure = exc
             self.metrics.upstream_failures.labels("prefill").inc()
-            self.service.state.unreachable(pod.name)
+            self.service.pod_failed(pod.name)
             tried.append(pod.name)
             log.warning("prefill leg of %s failed on %s", routed.request_id, failure)
             if len(tried) >= self.config.prefill_attempts:
@@ -401,7 +400,7 @@ class FrontDoor:
     ) -> web.StreamResponse:
         self.metrics.upstream_failures.labels("decode").inc()
         if exc.status is None or exc.status >= 500:
-            self.service.state.unreachable(exc.pod)
+            self.service.pod_failed(exc.pod)
         self.service.failed(routed.request_id, str(exc))
         if response is None:
             if exc.status is not None and 400 <= exc.status <= 451:

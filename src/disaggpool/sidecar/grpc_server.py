@@ -119,6 +119,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             slo_class=routed.slo.name,
             predicted_output_tokens=routed.predicted_output_tokens,
             guarded=d.guarded,
+            fallback=d.fallback or "",
         )
         if d.predicted_ttft_s is not None and math.isfinite(d.predicted_ttft_s):
             resp.predicted_ttft_s = d.predicted_ttft_s
@@ -165,7 +166,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         view = svc.state.snapshot(now)
         out = pb.PoolSnapshot(
             policy=svc.policy.name,
-            inflight=len(svc.state.records),
+            inflight=svc.inflight,
             traffic_heterogeneity=svc.spread.cv,
         )
         for role, snaps, target in (
@@ -201,8 +202,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
 
 def health_status(service: RoutingService) -> int:
-    state = service.state
-    ok = all(any(i.healthy for i in state.members(r)) for r in ("prefill", "decode"))
+    ok = all(service.healthy_pods().values())
     codes = health_pb2.HealthCheckResponse
     return int(codes.SERVING if ok else codes.NOT_SERVING)
 

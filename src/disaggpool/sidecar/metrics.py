@@ -6,8 +6,8 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   dashboard shows how the work splits over pods;
 * `disaggpool_route_decision_seconds`: time spent in the policy (histogram);
 * `disaggpool_route_fallbacks_total{reason}`: decisions made without a trusted profile for
-  every pod (``fallback``: a pod scored with the median trusted profile; ``no-profile``: none
-  trusted, least-loaded used);
+  every pod (``median-profile``: a pod scored with the median trusted profile;
+  ``least-loaded``: none trusted, in-flight counts used);
 * `disaggpool_requests_total{slo_class,outcome}`: finished requests, outcome ``met``,
   ``missed`` (completed outside its SLO), ``failed``, or ``aborted`` (the client left; not
   the router's doing, so outside goodput); goodput of a class is met / (met + missed + failed);

@@ -178,25 +178,40 @@ class RoutingService:
         return dataclasses.replace(pool, prefill=prefill)
 
     def _account(self, decision: RouteDecision) -> None:
-        policy = decision.policy
         m = self.metrics
-        m.decisions.labels(policy, "prefill", decision.prefill).inc()
-        m.decisions.labels(policy, "decode", decision.decode).inc()
-        if policy.endswith(")"):  # calibrated(fallback) / calibrated(no-profile)
-            reason = policy[policy.index("(") + 1 : -1]
-            m.fallbacks.labels(reason).inc()
-            for name in (decision.prefill, decision.decode):
-                inst = self.state.instances[name]
-                if (inst.profile is None or not inst.profile.trusted) and (
-                    name not in self._untrusted_logged
-                ):
-                    self._untrusted_logged.add(name)
-                    log.warning(
-                        "pod %s has no trusted calibration profile (%s): routing with %s",
-                        name,
-                        "none" if inst.profile is None else inst.profile.quality,
-                        "the median trusted profile" if reason == "fallback" else "least-loaded",
-                    )
+        m.decisions.labels(decision.policy, "prefill", decision.prefill).inc()
+        m.decisions.labels(decision.policy, "decode", decision.decode).inc()
+        if decision.fallback is None:
+            return
+        m.fallbacks.labels(decision.fallback).inc()
+        for name in (decision.prefill, decision.decode):
+            inst = self.state.instances[name]
+            if (inst.profile is None or not inst.profile.trusted) and (
+                name not in self._untrusted_logged
+            ):
+                self._untrusted_logged.add(name)
+                log.warning(
+                    "pod %s has no trusted calibration profile (%s): routing with %s",
+                    name,
+                    "none" if inst.profile is None else inst.profile.quality,
+                    "the median trusted profile"
+                    if decision.fallback == "median-profile"
+                    else "least-loaded",
+                )
+
+    def pod_failed(self, pod: str) -> None:
+        """A pod failed a request leg (refused, reset, 5xx): stop routing to it until a scrape
+        succeeds again. Adapters report it here rather than touching the pool state."""
+        self.state.unreachable(pod)
+
+    def healthy_pods(self) -> dict[str, int]:
+        """Healthy pods per role (what `/health` and the gRPC health service report)."""
+        return {r: sum(i.healthy for i in self.state.members(r)) for r in ("prefill", "decode")}
+
+    @property
+    def inflight(self) -> int:
+        """Requests routed and not yet finished or failed."""
+        return len(self.state.records)
 
     def profile_changed(self, pod: str) -> None:
         """A pod's profile was (re)loaded: warn again if it is still untrusted."""

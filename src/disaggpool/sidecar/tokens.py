@@ -22,9 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from disaggpool.emulator.tokenizer import Tokenizer
 from disaggpool.sidecar.config import TokenizerConfig
 from disaggpool.sidecar.state import PoolState
+from disaggpool.wordtokenizer import Tokenizer
 
 __all__ = ["PromptCounter", "TokenizeError"]
 

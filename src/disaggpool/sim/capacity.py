@@ -15,7 +15,8 @@ traffic's length distribution, never tuned against results:
 * **Split**: the integer split of G GPUs that maximises the smaller of the two pool capacities
   (ties to more decode instances, where routing has choices to make).
 
-Pure arithmetic; called by `sim.experiments` and recorded in the experiment's JSON.
+Pure arithmetic; called by `sim.paper_setup`, `sim.paper` and the demo, and recorded in the
+experiment's JSON.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Goodput follows the study: a request counts when its TTFT and its TPOT (mean time per output
 token after the first) both meet its class's targets; a request that was rejected or never
 finished counts as missed. Percentiles are nearest-rank, so results are exact and deterministic.
-Called by `sim.experiments` and the CLI; pure.
+Called by `sim.runner.execute` for every simulated run; pure. The percentile itself is
+`core.stats.percentile`, shared with the load generator so both report the same statistic.
 """
 
 from __future__ import annotations
@@ -13,18 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
+from disaggpool.core.stats import percentile
 from disaggpool.sim.cluster import SimOutcome
 
-__all__ = ["percentile", "summarize"]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of `values`; NaN for an empty sequence."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
+__all__ = ["summarize"]
 
 
 def _latency(ttfts: Sequence[float], tpots: Sequence[float]) -> dict[str, float]:

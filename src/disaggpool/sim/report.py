@@ -12,11 +12,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from disaggpool.core.stats import mean_or_nan
+
 __all__ = ["findings", "main_table", "render", "sweep_table", "tables"]
-
-
-def _mean(values: Sequence[float]) -> float:
-    return statistics.fmean(values) if values else float("nan")
 
 
 def _by(rows: Sequence[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
@@ -31,16 +29,18 @@ def main_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     traces = sorted({r["trace"] for r in rows})
     for (policy,), group in _by(rows, "policy").items():
-        per_trace = {t: _mean([r["goodput"] for r in group if r["trace"] == t]) for t in traces}
+        per_trace = {
+            t: mean_or_nan([r["goodput"] for r in group if r["trace"] == t]) for t in traces
+        }
         values = list(per_trace.values())
         table.append(
             {
                 "policy": policy,
                 **{t: round(v, 4) for t, v in per_trace.items()},
-                "mean": round(_mean(values), 4),
+                "mean": round(mean_or_nan(values), 4),
                 "std": round(statistics.pstdev(values), 4) if len(values) > 1 else 0.0,
-                "ttft_p99_s": round(_mean([r["ttft_p99_s"] for r in group]), 3),
-                "tpot_p99_s": round(_mean([r["tpot_p99_s"] for r in group]), 4),
+                "ttft_p99_s": round(mean_or_nan([r["ttft_p99_s"] for r in group]), 3),
+                "tpot_p99_s": round(mean_or_nan([r["tpot_p99_s"] for r in group]), 4),
             }
         )
     return table
@@ -52,7 +52,7 @@ def sweep_table(rows: Sequence[dict[str, Any]], key: str) -> list[dict[str, Any]
     for (value,), group in sorted(_by(rows, key).items()):
         entry: dict[str, Any] = {key: value}
         for (policy,), g in _by(group, "policy").items():
-            entry[policy] = round(_mean([r["goodput"] for r in g]), 4)
+            entry[policy] = round(mean_or_nan([r["goodput"] for r in g]), 4)
         table.append(entry)
     return table
 

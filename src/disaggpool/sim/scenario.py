@@ -89,16 +89,14 @@ def load_scenario(path: str | Path) -> Scenario:
         },
     )
     base = path.parent
-    seeds = doc.get("seeds", [1])
-    if not isinstance(seeds, list) or not seeds:
-        raise rd.fail("seeds", "must be a non-empty list of integers")
+    seeds = rd.nonempty_list(doc.get("seeds", [1]), "seeds", of="integers")
     seed_list = tuple(rd.integer(s, f"seeds[{i}]", minimum=0) for i, s in enumerate(seeds))
     instances = _pool(rd, doc.get("pool"), base, seed_list[0])
     slo = read_slo_classes(rd, doc.get("slo_classes"))
     trace = _trace(rd, doc.get("trace"), base, {c.name for c in slo}, seed_list[0])
-    policies = doc.get("policies", ["round_robin", "least_loaded", "length", "calibrated"])
-    if not isinstance(policies, list) or not policies:
-        raise rd.fail("policies", "must be a non-empty list")
+    policies = rd.nonempty_list(
+        doc.get("policies", ["round_robin", "least_loaded", "length", "calibrated"]), "policies"
+    )
     for i, p in enumerate(policies):
         if p not in POLICY_NAMES:
             raise rd.fail(
@@ -143,9 +141,7 @@ def _pool(rd: FieldReader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpe
     rd.known(pool, "pool", {"prefill", "decode"})
     specs: list[InstanceSpec] = []
     for role in ("prefill", "decode"):
-        groups = pool.get(role)
-        if not isinstance(groups, list) or not groups:
-            raise rd.fail(f"pool.{role}", "must be a non-empty list of instance groups")
+        groups = rd.nonempty_list(pool.get(role), f"pool.{role}", of="instance groups")
         index = 0
         for g, group_raw in enumerate(groups):
             at = f"pool.{role}[{g}]"

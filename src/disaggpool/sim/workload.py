@@ -19,6 +19,7 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 
+from disaggpool.core.stats import coefficient_of_variation, interpolated_quantile
 from disaggpool.formats.traces import TraceRequest
 
 __all__ = [
@@ -284,7 +285,9 @@ def trace_stats(requests: Sequence[TraceRequest]) -> dict[str, float]:
     duration = arrivals[-1] - arrivals[0] if arrivals else math.nan
     stats["duration_s"] = duration
     stats["rate"] = (len(arrivals) - 1) / duration if duration > 0 else math.nan
-    stats["interarrival_cv"] = _cv([b - a for a, b in itertools.pairwise(arrivals)])
+    stats["interarrival_cv"] = coefficient_of_variation(
+        [b - a for a, b in itertools.pairwise(arrivals)]
+    )
     for name, values in (
         ("prompt", [r.prompt_tokens for r in requests]),
         ("output", [r.output_tokens for r in requests]),
@@ -292,29 +295,8 @@ def trace_stats(requests: Sequence[TraceRequest]) -> dict[str, float]:
         ordered = sorted(values)
         stats[f"{name}_mean"] = math.fsum(ordered) / len(ordered) if ordered else math.nan
         for q in (50, 90, 99):
-            stats[f"{name}_p{q}"] = _quantile(ordered, q / 100)
+            stats[f"{name}_p{q}"] = interpolated_quantile(ordered, q / 100)
     return stats
-
-
-def _cv(values: Sequence[float]) -> float:
-    """Coefficient of variation (population std / mean); NaN when undefined."""
-    if not values:
-        return math.nan
-    mean = math.fsum(values) / len(values)
-    if mean <= 0:
-        return math.nan
-    variance = math.fsum((v - mean) ** 2 for v in values) / len(values)
-    return math.sqrt(variance) / mean
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Quantile `q` of sorted values by linear interpolation; NaN for no values."""
-    if not ordered:
-        return math.nan
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 # --- argument checks ---------------------------------------------------------------------------

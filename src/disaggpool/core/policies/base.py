@@ -51,12 +51,12 @@ def with_predictions(
     if p.profile is None or d.profile is None:
         return RouteDecision(prefill=p.name, decode=d.name, policy=policy)
     ready = costmodel.prefill_ready_time(req, p, p.profile)
-    _, ttft, tpot, _, _ = costmodel.decode_estimate(req, d, d.profile, ready)
+    est = costmodel.decode_estimate(req, d, d.profile, ready)
     return RouteDecision(
         prefill=p.name,
         decode=d.name,
         policy=policy,
-        predicted_ttft_s=ttft,
-        predicted_tpot_s=tpot,
-        slo_feasible=req.slo.met(ttft, tpot),
+        predicted_ttft_s=est.ttft_s,
+        predicted_tpot_s=est.tpot_s,
+        slo_feasible=req.slo.met(est.ttft_s, est.tpot_s),
     )

@@ -25,8 +25,8 @@ blind spreading does well. This is "consistent hashing with bounded loads" appli
 minimisation. `slack=None` disables it (the greedy variant used to show the failure mode).
 
 **Missing profiles.** An instance without a trusted profile is scored with the median trusted
-profile of its pool, and the decision is tagged ``calibrated(fallback)``; with no trusted profile
-at all the policy routes least-loaded and tags ``calibrated(no-profile)``. Never a silent default.
+profile of its pool, and the decision says ``fallback="median-profile"``; with no trusted profile
+at all the policy routes least-loaded and says ``fallback="least-loaded"``. Never a silent default.
 
 `uncalibrated` is the same scorer fed fixed datasheet profiles instead of the calibrated ones.
 """
@@ -95,8 +95,7 @@ class CalibratedPolicy:
         d_profiles, d_fallback = self._profiles(decodes)
         if any(p is None for p in p_profiles) or any(p is None for p in d_profiles):
             d = self._fallback.route(req, pool, rng)
-            return RouteDecision(d.prefill, d.decode, f"{self.name}(no-profile)")
-        tag = f"{self.name}(fallback)" if p_fallback or d_fallback else self.name
+            return RouteDecision(d.prefill, d.decode, self.name, fallback="least-loaded")
 
         # 1. Prefill: soonest ready.
         best_p = 0
@@ -119,22 +118,22 @@ class CalibratedPolicy:
         for idx, inst in enumerate(decodes):
             est = costmodel.decode_estimate(req, inst, d_profiles[idx], best_ready)  # type: ignore[arg-type]
             estimates.append(est)
-            act, ttft, tpot, _, slo_harm = est
-            own_miss = 0 if ttft <= slo.ttft_s and tpot <= slo.tpot_s else 1
-            key = (float(slo_harm + own_miss), act)
+            own_miss = 0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1
+            key = (float(est.slo_harm + own_miss), est.act_s)
             if key < cheapest_any_key:
                 cheapest_any, cheapest_any_key = idx, key
             if allowed[idx] and key < best_key:
                 best, best_key = idx, key
-        _, ttft, tpot, _, _ = estimates[best]
+        chosen = estimates[best]
         return RouteDecision(
             prefill=prefills[best_p].name,
             decode=decodes[best].name,
-            policy=tag,
-            predicted_ttft_s=ttft,
-            predicted_tpot_s=tpot,
-            slo_feasible=ttft <= slo.ttft_s and tpot <= slo.tpot_s,
+            policy=self.name,
+            predicted_ttft_s=chosen.ttft_s,
+            predicted_tpot_s=chosen.tpot_s,
+            slo_feasible=chosen.ttft_s <= slo.ttft_s and chosen.tpot_s <= slo.tpot_s,
             guarded=best != cheapest_any,
+            fallback="median-profile" if p_fallback or d_fallback else None,
         )
 
     def _allowed(

@@ -1,24 +1,17 @@
-"""vLLM's OpenAI-compatible request validation and response shapes, without a web framework.
+"""Parsing and validation of vLLM's request bodies: completion, chat, tokenize, detokenize.
 
-Parsing turns a JSON body into a `GenerationRequest` or raises `ApiError` carrying vLLM's status,
-error type, message and offending parameter (``{"error": {message, type, param, code}}``).
-Three kinds of 400 exist in vLLM, and each is copied with its own shape (checked against the
-wire recording of real vLLM in `tests/realvllm/fixtures/vllm_0.32.0_wire.json`):
+`parse_completion` and `parse_chat` turn a JSON body into a `GenerationRequest` (which leg it
+is, the prompt's token ids, the resolved `max_tokens`, the streaming options) or raise the
+`errors.ApiError` vLLM would answer, with its status, type, message and offending parameter.
+The checks run in vLLM's order: schema, model, tokenisation and context length, sampling
+parameters, so that a body with several faults gets the error vLLM reports first.
 
-* request-schema (pydantic) errors: a malformed JSON body, a field of the wrong type or a
-  missing one. Type ``"Bad Request"``, param ``body.<field>`` (``body.<offset>`` for JSON
-  syntax), message ``1 validation error:\\n  {<pydantic error dict>}``;
-* `VLLMValidationError`: type ``BadRequestError``, param the parameter, message suffixed
-  ``(parameter=..., value=...)`` (stream options without streaming, context length, max_tokens);
-* plain `ValueError` from the sampling parameters: type ``BadRequestError``, param null
-  (min_tokens, temperature, top_p, out-of-vocabulary token ids).
+Field reading (`_Fields`) deliberately mirrors pydantic's lax coercion (``"5"`` and ``5.0`` are
+the integer 5, ``"yes"`` is true) and names the field in vLLM's schema-error shape: it is the
+request schema of an OpenAI server, not a configuration reader, and its errors are part of the
+wire contract checked against real vLLM.
 
-An unknown model is a 404 ``NotFoundError``. The checks run in vLLM's order: schema, model,
-tokenisation and context length, sampling parameters. Response builders produce the JSON
-bodies and SSE chunks of `/v1/completions` and `/v1/chat/completions` with vLLM's keys in
-vLLM's order (`vllm-pd-protocol.md` section 5), including `kv_transfer_params`.
-
-Pure functions of their inputs; `server` does the HTTP and `instance` the generation.
+Pure functions of their inputs; `server` calls them with the instance's tokenizer.
 """
 
 from __future__ import annotations
@@ -27,122 +20,35 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from disaggpool.emulator.tokenizer import Tokenizer
+from disaggpool.emulator.errors import (
+    SCHEMA_ERROR,
+    ApiError,
+    schema_error,
+    value_error,
+    vllm_error,
+)
+from disaggpool.wordtokenizer import Tokenizer
 
 __all__ = [
-    "VLLM_VERSION",
-    "ApiError",
+    "Endpoint",
     "GenerationRequest",
+    "Kind",
     "RemotePrefill",
-    "chat_chunk",
-    "chat_response",
     "check_content_type",
-    "completion_chunk",
-    "completion_response",
-    "dumps",
-    "error_body",
-    "models_response",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",
     "parse_json",
     "parse_tokenize",
-    "usage",
-    "usage_chunk",
 ]
-
-VLLM_VERSION = "0.33.0"
 
 Endpoint = Literal["completions", "chat"]
 Kind = Literal["local", "prefill", "decode"]
 
 _INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-_SCHEMA_ERROR = "Bad Request"  # FastAPI request-validation errors: HTTPStatus.BAD_REQUEST.phrase
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON, as Starlette's JSONResponse and pydantic's model_dump_json write it."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, err_type: str | None = None
-) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": err_type or _ERROR_TYPES.get(status, "BadRequestError"),
-            "param": param,
-            "code": status,
-        }
-    }
-
-
-class ApiError(Exception):
-    """A request vLLM would refuse, with the HTTP status, type and `param` it would report."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, err_type: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.err_type = err_type
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.err_type)
-
-
-_NO_VALUE = object()
-
-
-def _vllm_error(message: str, parameter: str, value: Any = _NO_VALUE) -> ApiError:
-    """A `VLLMValidationError`: its str() appends the parameter and the rejected value."""
-    extras = [f"parameter={parameter}"]
-    if value is not _NO_VALUE and value is not None:
-        extras.append(f"value={value}")
-    return ApiError(400, f"{message} ({', '.join(extras)})", parameter)
-
-
-def _value_error(message: str) -> ApiError:
-    """A plain ValueError from the sampling parameters: no param."""
-    return ApiError(400, message, None)
-
-
-def _summary(value: Any) -> Any:
-    """A rejected input as vLLM's validation message shows it (containers summarised)."""
-    if isinstance(value, dict):
-        return f"<dict of {len(value)} items>"
-    if isinstance(value, list):
-        return f"<list of {len(value)} items>"
-    if isinstance(value, str) and len(value) > 50:
-        return value[:47] + "..."
-    return value
-
-
-def _schema_error(loc: str, kind: str, msg: str, value: Any, **ctx: str) -> ApiError:
-    """A FastAPI/pydantic request-validation error for `body.<loc>`."""
-    detail: dict[str, Any] = {
-        "type": kind,
-        "loc": f"body.{loc}" if loc else "body",
-        "msg": msg,
-        "input": _summary(value),
-    }
-    if ctx:
-        detail["ctx"] = dict(ctx)
-    return ApiError(
-        400, f"1 validation error:\n  {detail!r}", str(detail["loc"]), err_type=_SCHEMA_ERROR
-    )
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -153,7 +59,7 @@ def check_content_type(content_type: str | None) -> None:
             400,
             "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
             None,
-            err_type=_SCHEMA_ERROR,
+            err_type=SCHEMA_ERROR,
         )
 
 
@@ -161,17 +67,17 @@ def parse_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _schema_error(
+        raise schema_error(
             str(exc.start), "json_invalid", "JSON decode error", {}, error=exc.reason
         ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _schema_error(
+        raise schema_error(
             str(exc.pos), "json_invalid", "JSON decode error", {}, error=exc.msg
         ) from None
     except (ValueError, RecursionError) as exc:  # over 4300 digits, or nested too deep
-        raise _schema_error("0", "json_invalid", "JSON decode error", {}, error=str(exc)) from None
+        raise schema_error("0", "json_invalid", "JSON decode error", {}, error=str(exc)) from None
 
 
 # ---------------------------------------------------------------------------- typed field access
@@ -180,7 +86,7 @@ class _Fields:
 
     def __init__(self, body: Any) -> None:
         if not isinstance(body, dict):
-            raise _schema_error(
+            raise schema_error(
                 "",
                 "model_attributes_type",
                 "Input should be a valid dictionary or object to extract fields from",
@@ -189,7 +95,7 @@ class _Fields:
         self.body: dict[str, Any] = body
 
     def invalid(self, key: str, kind: str, msg: str) -> ApiError:
-        return _schema_error(key, kind, msg, self.body.get(key))
+        return schema_error(key, kind, msg, self.body.get(key))
 
     def int_(self, key: str, default: int | None) -> int | None:
         value = self.body.get(key, default)
@@ -308,7 +214,7 @@ def _common(f: _Fields, served: Sequence[str]) -> tuple[str | None, dict[str, An
         for key in ("include_usage", "continuous_usage_stats"):
             value = options.get(key)
             if value is not None and not isinstance(value, bool):
-                raise _schema_error(
+                raise schema_error(
                     f"stream_options.{key}", "bool_type", "Input should be a valid boolean", value
                 )
     stop = f.body.get("stop")
@@ -320,15 +226,13 @@ def _common(f: _Fields, served: Sequence[str]) -> tuple[str | None, dict[str, An
     priority = f.int_("priority", 0)
     # Model-level validators (pydantic's `model_validator`), still request-schema time:
     if options is not None and not stream:
-        raise _vllm_error(
-            "Stream options can only be defined when `stream=True`.", "stream_options"
-        )
+        raise vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
     _check_model(model, served)
     if n is not None and n != 1:
         # vLLM supports n > 1; the emulator generates one sequence per request.
-        raise _vllm_error("The emulator generates one sequence per request (n must be 1).", "n", n)
+        raise vllm_error("The emulator generates one sequence per request (n must be 1).", "n", n)
     if priority:
-        raise _value_error(f"Got priority {priority} but Priority scheduling is not enabled.")
+        raise value_error(f"Got priority {priority} but Priority scheduling is not enabled.")
     return model, kv
 
 
@@ -367,7 +271,7 @@ def _token_ids(f: _Fields, key: str, vocab: int) -> list[int]:
         raise f.invalid(key, "list_type", "Input should be a valid list of integers")
     for t in value:
         if not 0 <= t < vocab:
-            raise _value_error(f"Token id {t} is out of vocabulary")
+            raise value_error(f"Token id {t} is out of vocabulary")
     return list(value)
 
 
@@ -385,17 +289,17 @@ def _finish(
     n = len(prompt_ids)
     length = max_model_len
     if max_tokens_param is not None and max_tokens_param > length:
-        raise _vllm_error(
+        raise vllm_error(
             f"{max_key}={max_tokens_param} cannot be greater than max_model_len={length}. "
             "Please request fewer output tokens.",
             max_key,
             max_tokens_param,
         )
     if n == 0:
-        raise _value_error("The decoder prompt cannot be empty")
+        raise value_error("The decoder prompt cannot be empty")
     if n > length or (max_tokens_param is None and n >= length):
         shown = min(n, length + 1)  # vLLM stops tokenising one token past the limit
-        raise _vllm_error(
+        raise vllm_error(
             f"This model's maximum context length is {length} tokens. However, your prompt "
             f"contains at least {shown} input tokens, which exceeds this limit even without "
             "any output tokens. Please reduce the length of the input prompt.",
@@ -403,7 +307,7 @@ def _finish(
             shown,
         )
     if max_tokens_param is not None and n + max_tokens_param > length:
-        raise _vllm_error(
+        raise vllm_error(
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens_param}. This "
             f"model's maximum context length is {length} tokens and your request has {n} "
             f"input tokens ({max_tokens_param} > {length} - {n}).",
@@ -412,20 +316,20 @@ def _finish(
         )
     max_tokens = max_tokens_param if max_tokens_param is not None else length - n
     if max_tokens < 1:
-        raise _vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", max_key, max_tokens)
+        raise vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", max_key, max_tokens)
     min_tokens = f.int_("min_tokens", 0) or 0
     if min_tokens < 0:
-        raise _value_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        raise value_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if min_tokens > max_tokens:
-        raise _value_error(
+        raise value_error(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
     temperature = f.number("temperature")
     if temperature is not None and temperature < 0:
-        raise _value_error(f"temperature must be non-negative, got {temperature}.")
+        raise value_error(f"temperature must be non-negative, got {temperature}.")
     top_p = f.number("top_p")
     if top_p is not None and not 0 < top_p <= 1:
-        raise _value_error(f"top_p must be in (0, 1], got {top_p}.")
+        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
     options = f.obj("stream_options") or {}
     kind, remote = _kind(kv)
     return GenerationRequest(
@@ -454,7 +358,7 @@ def parse_completion(
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             # vLLM answers one choice per prompt; the emulator serves one prompt per request.
-            raise _vllm_error("The emulator serves one prompt per request.", "prompt", len(prompt))
+            raise vllm_error("The emulator serves one prompt per request.", "prompt", len(prompt))
         f.body = {**f.body, "prompt": prompt[0]}
         prompt = prompt[0]
     if prompt is not None and not isinstance(prompt, str | list):
@@ -462,9 +366,7 @@ def parse_completion(
     max_tokens = f.int_("max_tokens", 16)
     model, kv = _common(f, served)
     if prompt is None or prompt == [] or prompt == "":
-        raise _vllm_error(
-            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
-        )
+        raise vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if isinstance(prompt, str):
         special = f.bool_("add_special_tokens", True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=bool(special))
@@ -488,14 +390,14 @@ def _message_text(content: Any, index: int) -> str:
             ):
                 parts.append(part["text"])
             else:
-                raise _schema_error(
+                raise schema_error(
                     f"messages.{index}.content.{j}",
                     "union_tag_invalid",
                     "Input tag does not match any of the expected tags ('text')",
                     part,
                 )
         return "\n".join(parts)
-    raise _schema_error(
+    raise schema_error(
         f"messages.{index}.content", "string_type", "Input should be a valid string", content
     )
 
@@ -503,13 +405,13 @@ def _message_text(content: Any, index: int) -> str:
 def _chat_messages(f: _Fields) -> list[dict[str, str]]:
     messages = f.body.get("messages")
     if messages is None:
-        raise _schema_error("messages", "missing", "Field required", f.body)
+        raise schema_error("messages", "missing", "Field required", f.body)
     if not isinstance(messages, list):
         raise f.invalid("messages", "list_type", "Input should be a valid list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise _schema_error(
+            raise schema_error(
                 f"messages.{i}", "dict_type", "Input should be a valid dictionary", m
             )
         role = m.get("role")
@@ -522,7 +424,7 @@ def _chat_messages(f: _Fields) -> list[dict[str, str]]:
                     "Input should be a valid string",
                 )
             )
-            raise _schema_error(f"messages.{i}.role", kind, msg, m if role is None else role)
+            raise schema_error(f"messages.{i}.role", kind, msg, m if role is None else role)
         out.append({"role": role, "content": _message_text(m.get("content"), i)})
     return out
 
@@ -541,7 +443,7 @@ def parse_chat(
     f.bool_("continue_final_message", False)
     model, kv = _common(f, served)
     if not messages:
-        raise _value_error("The decoder prompt cannot be empty")
+        raise value_error("The decoder prompt cannot be empty")
     text = tokenizer.chat_prompt(messages, bool(add_generation_prompt))
     # Chat templates carry their own BOS, so vLLM adds no special tokens to chat by default.
     special = f.bool_("add_special_tokens", False)
@@ -563,7 +465,7 @@ def parse_tokenize(
     else:
         prompt = f.str_("prompt")
         if prompt is None:
-            raise _schema_error("prompt", "missing", "Field required", f.body)
+            raise schema_error("prompt", "missing", "Field required", f.body)
         text = prompt
         special = bool(f.bool_("add_special_tokens", True))
     _check_model(model, served)
@@ -577,222 +479,7 @@ def parse_detokenize(body: Any, tokenizer: Tokenizer, served: Sequence[str]) -> 
     f = _Fields(body)
     model = f.str_("model")
     if "tokens" not in f.body:
-        raise _schema_error("tokens", "missing", "Field required", f.body)
+        raise schema_error("tokens", "missing", "Field required", f.body)
     ids = _token_ids(f, "tokens", tokenizer.vocab_size)
     _check_model(model, served)
     return ids
-
-
-# ---------------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int, *, details: bool = True) -> dict[str, Any]:
-    """The usage block; streamed usage chunks carry no `*_details` keys."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-    if details:
-        out["prompt_tokens_details"] = None
-        out["completion_tokens_details"] = None
-    return out
-
-
-def _kv(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return dict(params) if params else None
-
-
-def completion_response(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    use: dict[str, Any],
-    kv_transfer_params: Mapping[str, Any] | None,
-    fingerprint: str,
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": fingerprint,
-        "usage": use,
-        "kv_transfer_params": _kv(kv_transfer_params),
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def chat_response(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    use: dict[str, Any],
-    kv_transfer_params: Mapping[str, Any] | None,
-    fingerprint: str,
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": None,
-                "routed_experts": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": fingerprint,
-        "usage": use,
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-        "prompt_text": None,
-        "kv_transfer_params": _kv(kv_transfer_params),
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def _chunk_head(rid: str, obj: str, created: int, model: str) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model}
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None = None,
-    use: dict[str, Any] | None = None,
-    kv_transfer_params: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One token chunk of a completion stream."""
-    chunk = _chunk_head(rid, "text_completion", created, model)
-    chunk["choices"] = [
-        {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "prompt_token_ids": None,
-            "token_ids": None,
-        }
-    ]
-    if use is not None:
-        chunk["usage"] = use
-    if kv_transfer_params:
-        chunk["kv_transfer_params"] = dict(kv_transfer_params)
-    return chunk
-
-
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None = None,
-    use: dict[str, Any] | None = None,
-    kv_transfer_params: Mapping[str, Any] | None = None,
-    *,
-    first: bool = False,
-) -> dict[str, Any]:
-    """One chat chunk: the role chunk (`first`) or a token chunk."""
-    chunk = _chunk_head(rid, "chat.completion.chunk", created, model)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if finish_reason is not None:
-        choice["stop_reason"] = None
-    if not first:
-        choice["token_ids"] = None
-    chunk["choices"] = [choice]
-    if first:
-        chunk["prompt_token_ids"] = None
-        chunk["prompt_text"] = None
-    if use is not None:
-        chunk["usage"] = use
-    if kv_transfer_params:
-        chunk["kv_transfer_params"] = dict(kv_transfer_params)
-    return chunk
-
-
-def usage_chunk(
-    rid: str, obj: str, created: int, model: str, use: dict[str, Any], fingerprint: str
-) -> dict[str, Any]:
-    """The final `include_usage` chunk: no choices, the usage and the fingerprint."""
-    chunk = _chunk_head(rid, obj, created, model)
-    chunk["choices"] = []
-    chunk["usage"] = use
-    chunk["system_fingerprint"] = fingerprint
-    return chunk
-
-
-def models_response(
-    served: Sequence[str], root: str, max_model_len: int, created: int, perm_id: str
-) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": root,
-                "parent": None,
-                "max_model_len": max_model_len,
-                "permission": [
-                    {
-                        "id": f"modelperm-{perm_id}",
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-            for name in served
-        ],
-    }

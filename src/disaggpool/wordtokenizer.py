@@ -8,7 +8,9 @@ specials ``<unk> <s> </s>``; the rest is a fixed vocabulary of synthetic words (
 same ids, across processes and runs. Generated text is made of vocabulary words with a leading
 space each, so re-tokenising an answer gives back exactly its token ids.
 
-Used by `protocol` (prompt lengths, chat template), the `/tokenize` route and the output text.
+A shared module, not a test double: the emulator counts prompts, serves `/tokenize` and writes
+its output text with it, and the sidecar's ``emulator`` prompt-count mode uses it to price
+prompts for emulated pools exactly, in process.
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""From what the calibration probe measured to its result: TTFTs net of the request path, the
+fits, the `CalibrationProfile` and the report.
+
+Pure (no I/O, no clock: the caller passes the elapsed time and the fit's timestamp), so it is
+tested on synthetic measurements. `probe` calls `net_of_request_path`, `fit_all` and `assemble`
+in that order on the `stages`' `Measured`; the fitting itself is `fit`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from disaggpool.calibration import fit
+from disaggpool.calibration.common import Measured, Pod, ProbeConfig, ProbeError, ProbeResult
+from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
+
+__all__ = [
+    "DEFAULT_K0_S",
+    "DEFAULT_KV_BANDWIDTH",
+    "Fits",
+    "assemble",
+    "fit_all",
+    "net_of_request_path",
+]
+
+#: KV transfer constants of a profile whose probe had no peer to measure them with.
+DEFAULT_K0_S = 0.002
+DEFAULT_KV_BANDWIDTH = 20e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Fits:
+    prefill: fit.FitResult
+    decode: fit.FitResult
+    transfer: fit.FitResult | None  # None: no peer, not measured
+
+    def all(self) -> list[fit.FitResult]:
+        return [self.prefill, self.decode] + ([self.transfer] if self.transfer else [])
+
+
+def net_of_request_path(measured: Measured) -> Measured:
+    """The same measurements with every TTFT less the request path's cost for its prompt: the
+    engine's own time (never below a microsecond)."""
+    path = measured.request_path
+
+    def engine_time(n: int, ttft: float) -> float:
+        return max(1e-6, ttft - path.base_s - path.per_token_s * n)
+
+    return dataclasses.replace(
+        measured,
+        prefill=[
+            fit.PrefillSample(s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s))
+            for s in measured.prefill
+        ],
+        transfer=[
+            fit.TransferSample(s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s))
+            for s in measured.transfer
+        ],
+    )
+
+
+def fit_all(net: Measured, cfg: ProbeConfig) -> Fits:
+    """Fit the prefill, decode and (if measured) KV-transfer models; `ProbeError` when there are
+    too few measurements or a fit is not finite."""
+    try:
+        pre = fit.fit_prefill(net.prefill, cfg.max_num_batched_tokens, cfg.seed)
+        dec = fit.fit_decode(net.decode, cfg.seed)
+        xfer = fit.fit_transfer(net.transfer, dec, cfg.seed) if net.transfer else None
+    except ValueError as exc:
+        raise ProbeError(f"too few measurements to fit: {exc}") from None
+    fits = Fits(pre, dec, xfer)
+    if not all(math.isfinite(c) for f in fits.all() for c in f.coef):
+        raise ProbeError("fit produced non-finite constants")
+    return fits
+
+
+def assemble(
+    cfg: ProbeConfig,
+    pod: Pod,
+    net: Measured,
+    fits: Fits,
+    *,
+    elapsed_s: float,
+    fitted_at: str,
+) -> ProbeResult:
+    """The profile of `pod` and the probe's report (`fitted_at`: an ISO-8601 UTC timestamp)."""
+    quality, reason = fit.verdict(fits.all())
+    if fits.transfer is None:
+        reason += "; KV transfer not measured (no --peer): default 2 ms + 20 GB/s"
+        k0, bandwidth = DEFAULT_K0_S, DEFAULT_KV_BANDWIDTH
+    else:
+        k0 = fits.transfer.coef[0]
+        bandwidth = cfg.kv_bytes_per_token / max(fits.transfer.coef[1], 1e-15)
+    profile = CalibrationProfile(
+        name=cfg.name,
+        gpu=cfg.gpu,
+        model=pod.model,
+        prefill=PrefillModel(*fits.prefill.coef),
+        decode=DecodeModel(*fits.decode.coef),
+        kv_transfer=KVTransferModel(k0, float(cfg.kv_bytes_per_token), bandwidth),
+        kv_capacity_tokens=pod.kv_capacity_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        block_size=pod.block_size,
+        max_model_len=pod.max_model_len,
+        source="probe",
+        quality=quality,
+        fitted_at=fitted_at,
+        ttft_mape=round(fits.prefill.holdout_mape, 4),
+        tpot_mape=round(fits.decode.holdout_mape, 4),
+        notes=reason,
+    )
+    return ProbeResult(profile, _report(cfg, net, fits, elapsed_s, quality, reason))
+
+
+def _report(
+    cfg: ProbeConfig, net: Measured, fits: Fits, elapsed_s: float, quality: str, reason: str
+) -> dict[str, Any]:
+    path = net.request_path
+    return {
+        "endpoint": cfg.endpoint,
+        "peer": cfg.peer,
+        "role": cfg.role,
+        "elapsed_s": round(elapsed_s, 3),
+        "http_overhead": {
+            "from": path.source,
+            "seconds": round(path.base_s, 6),
+            "seconds_per_prompt_token": path.per_token_s,
+            "samples": path.samples,
+        },
+        "budget_s": cfg.budget_s,
+        "samples": {
+            "prefill": len(net.prefill),
+            "decode": len(net.decode),
+            "decode_timed_by_server": net.decode_timed_by_server,
+            "transfer": len(net.transfer),
+        },
+        # What was fitted (TTFTs net of the request path), for anyone who doubts a fit.
+        "measurements": {
+            "prefill": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in net.prefill],
+            "decode": [[s.batch, s.context_tokens, round(s.itl_s, 6)] for s in net.decode],
+            "transfer": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in net.transfer],
+        },
+        "fits": {
+            "prefill": fits.prefill.as_dict(),
+            "decode": fits.decode.as_dict(),
+            **({"transfer": fits.transfer.as_dict()} if fits.transfer else {}),
+        },
+        "quality": quality,
+        "reason": reason,
+    }

@@ -1,0 +1,51 @@
+"""Small descriptive statistics shared by the simulator, the load generator and the reports.
+
+Pure functions of a sequence of numbers, no I/O. Two percentile definitions live here on purpose:
+`percentile` is nearest-rank (every result is one of the observations, so latency reports are
+exact and deterministic: `sim.metrics`, `loadgen`), `interpolated_quantile` interpolates linearly
+between order statistics (trace summaries: `sim.workload.trace_stats`). Undefined values (no
+observations) are NaN rather than an exception, so a summary of an empty run still renders.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+__all__ = ["coefficient_of_variation", "interpolated_quantile", "mean_or_nan", "percentile"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of `values`; NaN for an empty sequence."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def interpolated_quantile(ordered: Sequence[float], q: float) -> float:
+    """Quantile `q` (in [0, 1]) of already sorted values, interpolating linearly; NaN if empty."""
+    if not ordered:
+        return math.nan
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def coefficient_of_variation(values: Sequence[float]) -> float:
+    """Population standard deviation over mean; NaN when empty or the mean is not positive."""
+    if not values:
+        return math.nan
+    mean = math.fsum(values) / len(values)
+    if mean <= 0:
+        return math.nan
+    variance = math.fsum((v - mean) ** 2 for v in values) / len(values)
+    return math.sqrt(variance) / mean
+
+
+def mean_or_nan(values: Sequence[float]) -> float:
+    """Arithmetic mean; NaN for an empty sequence (where `statistics.fmean` would raise)."""
+    return statistics.fmean(values) if values else math.nan

@@ -1,0 +1,128 @@
+"""What the operator reads back from the cluster, as small frozen views (pure).
+
+`reconcile` lists a pool's pods, profile ConfigMaps and probe Jobs and turns each into a view
+here; `calibration_plan` decides on the views and `status` reports them. A profile ConfigMap that
+does not parse becomes a view carrying the error (the pod is then re-probed), never an exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from disaggpool.core.profile import CalibrationProfile, profile_from_dict
+from disaggpool.errors import InputError
+from disaggpool.formats.profiles import load_yaml
+from disaggpool.kubeclient import pod_ready
+from disaggpool.labels import (
+    ATTEMPT_LABEL,
+    GPU_TYPE_ANNOTATION,
+    OBSERVED_ERROR_ANNOTATION,
+    POD_LABEL,
+    PROFILE_KEY,
+    ROLE_LABEL,
+    ROLES,
+    VARIANT_LABEL,
+)
+
+__all__ = ["JobView", "PodView", "ProfileView", "job_view", "pod_view", "profile_view"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PodView:
+    """What the operator needs from a vLLM pod."""
+
+    name: str
+    role: str
+    ip: str
+    ready: bool
+    variant: str = ""
+    gpu_type: str = ""
+    deleting: bool = False
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView | None:
+    """A pool's vLLM pod, or None for anything else (router pods, foreign pods)."""
+    md = pod.get("metadata") or {}
+    labels = md.get("labels") or {}
+    role = labels.get(ROLE_LABEL)
+    if role not in ROLES:
+        return None
+    status = pod.get("status") or {}
+    return PodView(
+        name=str(md.get("name", "")),
+        role=str(role),
+        ip=str(status.get("podIP") or ""),
+        ready=pod_ready(pod),
+        variant=str(labels.get(VARIANT_LABEL, "")),
+        gpu_type=str((md.get("annotations") or {}).get(GPU_TYPE_ANNOTATION, "")),
+        deleting=bool(md.get("deletionTimestamp")),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProfileView:
+    """A profile ConfigMap as read back: the parsed profile or why it could not be parsed."""
+
+    configmap: str
+    pod: str
+    profile: CalibrationProfile | None
+    error: str = ""
+    observed_error: float | None = None
+    owned: bool = True
+
+
+def profile_view(cm: Mapping[str, Any]) -> ProfileView:
+    md = cm.get("metadata") or {}
+    name = str(md.get("name", ""))
+    pod = str((md.get("labels") or {}).get(POD_LABEL, ""))
+    owned = bool(md.get("ownerReferences"))
+    observed: float | None = None
+    raw_obs = (md.get("annotations") or {}).get(OBSERVED_ERROR_ANNOTATION)
+    if raw_obs is not None:
+        try:
+            observed = float(raw_obs)
+        except ValueError:
+            observed = None
+    text = (cm.get("data") or {}).get(PROFILE_KEY)
+    if not text:
+        return ProfileView(name, pod, None, f"no {PROFILE_KEY} yet", observed, owned)
+    try:
+        profile = profile_from_dict(load_yaml(text), source=f"ConfigMap {name}")
+    except (InputError, yaml.YAMLError) as exc:
+        return ProfileView(name, pod, None, str(exc), observed, owned)
+    return ProfileView(name, pod, profile, "", observed, owned)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobView:
+    """A probe Job: which pod, which attempt, how it went."""
+
+    name: str
+    pod: str
+    attempt: int
+    state: str  # active | succeeded | failed
+
+
+def job_view(job: Mapping[str, Any]) -> JobView | None:
+    """A probe Job of the pool, or None for a Job without a pod label."""
+    md = job.get("metadata") or {}
+    labels = md.get("labels") or {}
+    if POD_LABEL not in labels:
+        return None
+    status = job.get("status") or {}
+    conds = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    if conds.get("Complete") == "True" or (status.get("succeeded") or 0) > 0:
+        state = "succeeded"
+    elif conds.get("Failed") == "True":
+        state = "failed"
+    else:
+        state = "active"
+    try:
+        attempt = int(labels.get(ATTEMPT_LABEL, "0"))
+    except ValueError:
+        attempt = 0
+    return JobView(str(md.get("name", "")), str(labels[POD_LABEL]), attempt, state)

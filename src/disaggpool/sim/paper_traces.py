@@ -1,0 +1,82 @@
+"""The traffic of the paper experiment: three mixed bursty traces and the synthetic sweep traces.
+
+Mixed trace k takes the requests of the Azure 2023 conversation and code services (embedded in
+the package, `formats.embedded.azure_services`) in the same wall-clock window (minute 20k to
+20k+W of each one-hour trace), interleaved in their real order with their real lengths (prompts
+clipped to the 8k context); conversation requests are class ``chat``, code requests class
+``code``. Arrival times come from a Gamma renewal process with inter-arrival CV 2, 3 and 4 for
+k = 0, 1, 2, at rate 1 (rescaled to each operating rate later). Why not the real timestamps: the
+code service alone has an inter-arrival CV of 13 with 25 idle gaps of over 30 s; rescaled to a
+mean load, its bursts reach 10-26x the pool's capacity, a regime in which no placement matters
+(the scarcity sweep covers overload explicitly). The output-length predictor is first fed
+`PaperConfig.history` requests of the same services from outside the window (the history a
+running router has).
+
+`synthetic_trace` builds the heterogeneity sweep's traces: the arrivals and mean lengths of a mixed
+trace with log-normal lengths of a chosen spread.
+
+Called by `sim.paper_setup` and `sim.paper`; pure (randomness is seeded from fixed strings).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim import workload
+from disaggpool.sim.paper_config import PaperConfig
+
+__all__ = ["TRACE_CVS", "mixed_trace", "synthetic_trace"]
+
+TRACE_CVS = (2.0, 3.0, 4.0)
+"""Inter-arrival coefficient of variation of mixed trace k = 0, 1, 2."""
+
+
+def mixed_trace(
+    services: dict[str, list[TraceRequest]], k: int, cfg: PaperConfig
+) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """Mixed trace k (window starting at minute 20k) and the predictor's warm-up history.
+
+    `services` is `formats.embedded.azure_services()` (class -> requests of one service).
+    """
+    start = 20.0 * 60.0 * k
+    duration = cfg.window_minutes * 60.0
+    parts = [workload.window(reqs, start, duration) for reqs in services.values()]
+    mixed = workload.clip_lengths(workload.merge(*parts), cfg.max_prompt, cfg.max_output)
+    arrivals = workload.gamma_arrivals(1.0, TRACE_CVS[k], len(mixed), random.Random(f"mixed:{k}"))
+    mixed = workload.with_arrivals(mixed, arrivals)
+    outside = [
+        r for reqs in services.values() for r in reqs if not start <= r.arrival_s < start + duration
+    ]
+    outside.sort(key=lambda r: r.arrival_s)
+    history = workload.clip_lengths(outside[: cfg.history], cfg.max_prompt, cfg.max_output)
+    return mixed, history
+
+
+def synthetic_trace(
+    base: Sequence[TraceRequest], sigma: float, cfg: PaperConfig, seed: int
+) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """Same means and arrival pattern as `base`, lengths log-normal with spread `sigma`.
+
+    Returns the trace (at most `cfg.sweep_requests` requests) and a predictor history of
+    `cfg.history` requests drawn alike. sigma = 0 is the homogeneous extreme: one request shape
+    and one SLO class (chat); otherwise the SLO mix is half chat, half code.
+    """
+    rng = random.Random(f"heterogeneity:{seed}:{sigma}")
+    n = min(len(base), cfg.sweep_requests)
+    prompt_mean = statistics.fmean(r.prompt_tokens for r in base)
+    output_mean = statistics.fmean(r.output_tokens for r in base)
+    classes = [("chat", 1.0)] if sigma == 0 else [("chat", 0.5), ("code", 0.5)]
+    lengths = workload.lognormal_lengths(
+        n + cfg.history,
+        rng,
+        prompt_mean=prompt_mean,
+        output_mean=output_mean,
+        sigma=sigma,
+        slo_classes=classes,
+    )
+    lengths = workload.clip_lengths(lengths, cfg.max_prompt, cfg.max_output)
+    trace = workload.with_arrivals(lengths[:n], [r.arrival_s for r in base[:n]])
+    return trace, lengths[n:]

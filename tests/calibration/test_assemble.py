@@ -1,0 +1,120 @@
+"""The probe's pure last step (`calibration.assemble`): synthetic measurements of a known profile,
+taken with a known request-path cost, must give back that profile, the discovered pod's
+facts, and a report that says what was fitted; too few measurements must be a `ProbeError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from disaggpool.calibration import assemble, fit
+from disaggpool.calibration.common import Measured, Pod, ProbeConfig, ProbeError, RequestPath
+from disaggpool.core.hardware import builtin_profile
+
+A40 = builtin_profile("a40-llama3-8b")
+PATH = RequestPath("rejected twin requests", base_s=0.002, per_token_s=1e-6, samples=40)
+POD = Pod("http://pod:8000", "the-model", 4096, 190_000, 16)
+CFG = ProbeConfig(
+    endpoint="http://pod:8000",
+    name="fitted",
+    gpu="a40",
+    max_num_seqs=A40.max_num_seqs,
+    max_num_batched_tokens=A40.max_num_batched_tokens,
+    kv_bytes_per_token=int(A40.kv_transfer.bytes_per_token),
+)
+
+
+def measured(*, transfer: bool = True) -> Measured:
+    """Noise-free measurements of A40, every TTFT with the request path's cost added."""
+    pre = []
+    for n in [16, 64, 256, 1024, 2048, 4096, 8000] * 3:
+        engine = A40.prefill.p0 * math.ceil(n / A40.max_num_batched_tokens)
+        engine += A40.prefill.p1 * n + A40.prefill.p2 * n * n
+        pre.append(fit.PrefillSample(n, engine + PATH.base_s + PATH.per_token_s * n))
+    dec = [
+        fit.DecodeSample(b, b * ctx, A40.decode.step(b, b * ctx))
+        for b in (1, 2, 4, 8, 16, 32, 64)
+        for ctx in (44, 1548)
+    ]
+    xfer = [
+        fit.TransferSample(
+            n, A40.kv_transfer.time(n) + A40.decode.step(1, n) + PATH.base_s + PATH.per_token_s * n
+        )
+        for n in [32, 128, 512, 2048, 4096] * 3
+    ]
+    return Measured(pre, xfer if transfer else [], dec, 3, PATH)
+
+
+def test_ttfts_are_taken_net_of_the_request_path() -> None:
+    raw = measured()
+    net = assemble.net_of_request_path(raw)
+    assert [s.prompt_tokens for s in net.prefill] == [s.prompt_tokens for s in raw.prefill]
+    for before, after in zip(raw.prefill, net.prefill, strict=True):
+        n = before.prompt_tokens
+        assert after.ttft_s == pytest.approx(before.ttft_s - 0.002 - 1e-6 * n)
+    for before_x, after_x in zip(raw.transfer, net.transfer, strict=True):
+        assert after_x.ttft_s == pytest.approx(
+            before_x.ttft_s - 0.002 - 1e-6 * before_x.prompt_tokens
+        )
+    assert net.decode == raw.decode  # decode gaps carry no request path
+    # Never below a microsecond: a TTFT shorter than the path is noise, not negative work.
+    tiny = dataclasses.replace(raw, prefill=[fit.PrefillSample(16, 0.001)])
+    assert assemble.net_of_request_path(tiny).prefill[0].ttft_s == 1e-6
+
+
+def test_the_profile_is_the_true_one_with_the_pods_facts() -> None:
+    net = assemble.net_of_request_path(measured())
+    fits = assemble.fit_all(net, CFG)
+    result = assemble.assemble(
+        CFG, POD, net, fits, elapsed_s=12.3456, fitted_at="2026-01-02T03:04:05Z"
+    )
+    p = result.profile
+    assert p.prefill.p1 == pytest.approx(A40.prefill.p1, rel=0.02)
+    assert p.decode.d0 == pytest.approx(A40.decode.d0, rel=0.02)
+    assert p.decode.d2 == pytest.approx(A40.decode.d2, rel=0.02)
+    assert p.kv_transfer.bandwidth_bytes_per_s == pytest.approx(
+        A40.kv_transfer.bandwidth_bytes_per_s, rel=0.05
+    )
+    assert (p.name, p.gpu, p.model, p.source) == ("fitted", "a40", "the-model", "probe")
+    assert (p.kv_capacity_tokens, p.block_size, p.max_model_len) == (190_000, 16, 4096)
+    assert p.fitted_at == "2026-01-02T03:04:05Z"
+    assert p.quality == "good" and p.ttft_mape is not None and p.ttft_mape < 0.01
+    report = result.report
+    assert report["elapsed_s"] == 12.346
+    assert report["http_overhead"] == {
+        "from": "rejected twin requests",
+        "seconds": 0.002,
+        "seconds_per_prompt_token": 1e-6,
+        "samples": 40,
+    }
+    assert report["samples"] == {
+        "prefill": 21,
+        "decode": 14,
+        "decode_timed_by_server": 3,
+        "transfer": 15,
+    }
+    assert report["measurements"]["prefill"][0] == [16, round(net.prefill[0].ttft_s, 6)]
+    assert set(report["fits"]) == {"prefill", "decode", "transfer"}
+    assert report["quality"] == p.quality and report["reason"] == p.notes
+
+
+def test_without_a_peer_the_transfer_defaults_are_used_and_said() -> None:
+    net = assemble.net_of_request_path(measured(transfer=False))
+    fits = assemble.fit_all(net, CFG)
+    assert fits.transfer is None and len(fits.all()) == 2
+    result = assemble.assemble(CFG, POD, net, fits, elapsed_s=1.0, fitted_at="t")
+    kv = result.profile.kv_transfer
+    assert (kv.k0, kv.bandwidth_bytes_per_s) == (
+        assemble.DEFAULT_K0_S,
+        assemble.DEFAULT_KV_BANDWIDTH,
+    )
+    assert "KV transfer not measured" in result.profile.notes
+    assert "transfer" not in result.report["fits"]
+
+
+def test_too_few_measurements_are_a_probe_error() -> None:
+    net = assemble.net_of_request_path(dataclasses.replace(measured(), decode=[]))
+    with pytest.raises(ProbeError, match="too few measurements"):
+        assemble.fit_all(net, CFG)

@@ -1,0 +1,119 @@
+"""Tests of `disaggpool demo` (`disaggpool.demo`): its pieces, then one short end-to-end run.
+
+The end-to-end run goes through every stage of the real command: emulator processes start, the
+probe calibrates each of them, the operating-point search picks the rate, a sidecar process per
+policy fronts the pool while `loadgen.replay` sends the trace, and the simulator predicts each
+policy's goodput. It is sized down (two decode pods, a 4 s trace, a 12 s probe per pod, two
+policies, two simulator seeds) to about 70 s on two cores; the probe needs about 12 s per pod to
+measure enough decode runs, so that is the smallest budget that still calibrates reliably.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disaggpool.demo import (
+    TARGET_GOODPUT,
+    DemoConfig,
+    demo_trace,
+    operating_rate,
+    run_demo,
+    simulated_run,
+    stderr_messages,
+    true_profiles,
+)
+from disaggpool.sim.runner import execute
+
+DECODE_SPEEDS = (1.0, 1.25)
+POLICIES = ("calibrated", "round_robin")
+
+
+def test_true_profiles_have_the_configured_speeds() -> None:
+    pods = true_profiles((0.5, 2.0))
+    assert [(name, role) for name, (role, _) in pods.items()] == [
+        ("prefill-0", "prefill"),
+        ("decode-0", "decode"),
+        ("decode-1", "decode"),
+    ]
+    a40 = pods["prefill-0"][1].decode
+    assert pods["decode-0"][1].decode.d0 == pytest.approx(2 * a40.d0)
+    assert pods["decode-1"][1].decode.d0 == pytest.approx(a40.d0 / 2)
+
+
+@pytest.mark.parametrize(
+    "changes", [{"sim_seeds": 1}, {"decode_speeds": ()}, {"decode_speeds": (1.0, 0.0)}]
+)
+def test_config_rejects_what_cannot_run(changes: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        DemoConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_operating_rate_is_round_robins_target_point_on_the_true_pool() -> None:
+    pods = true_profiles(DECODE_SPEEDS)
+    base, slo = demo_trace(seed=0)
+    rate, trace = operating_rate(pods, base, slo, 20.0, seed=0)
+    assert 0.5 < rate < 40.0
+    assert trace and all(r.arrival_s < 20.0 for r in trace)
+    assert len(trace) == pytest.approx(20.0 * rate, rel=0.5)  # bursty, but about the rate
+    assert (
+        execute(simulated_run(pods, {}, trace, slo, "round_robin", 0))["goodput"] >= TARGET_GOODPUT
+    )
+
+
+def test_messages_drop_progress_bars() -> None:
+    stderr = (
+        "calibrate: decode:  25%|██▌       | 2/8 [00:01<00:04,  1.46it/s]   \x1b[A\x1b[A"
+        "disaggpool: probe failed: too few measurements\n\n"
+        "calibrate: prefill:   2%|▏         | 8/360 [00:08<06:27,  1.10s/it]\r"
+        "decode-0: quality good\n"
+    )
+    assert stderr_messages(stderr) == [
+        "disaggpool: probe failed: too few measurements",
+        "decode-0: quality good",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # ~70 s alone; the probe and the replays run in real time
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = DemoConfig(
+        duration_s=4.0, budget_s=12.0, policies=POLICIES, sim_seeds=2, decode_speeds=DECODE_SPEEDS
+    )
+    out = tmp_path / "demo.json"
+    result = run_demo(cfg, str(out))
+    assert json.loads(out.read_text()) == result
+
+    setup = result["setup"]
+    assert 0.5 < setup["rate_rps"] < 40.0
+    n = setup["trace_requests"]
+    assert n >= 5
+    # Calibration: every pod fitted, each decode pod's fitted speed near its true one.
+    assert set(setup["fitted"]) == set(setup["pods"]) == {"prefill-0", "decode-0", "decode-1"}
+    for name, pod in setup["pods"].items():
+        fitted = setup["fitted"][name]
+        assert fitted["quality"] in ("good", "fair"), (name, fitted)
+        if pod["role"] == "decode":
+            assert fitted["speed_vs_a40"] == pytest.approx(pod["speed_vs_a40"], rel=0.3), name
+
+    assert [row["policy"] for row in result["policies"]] == list(POLICIES)
+    for row in result["policies"]:
+        # Every request of the trace was sent, answered and routed to a decode pod exactly once.
+        assert row["requests"] == n, row
+        assert row["errors"] == 0, row
+        assert set(row["served_by_pod"]) <= {"decode-0", "decode-1"}
+        assert sum(row["served_by_pod"].values()) == n, row
+        assert 0.0 <= row["goodput_measured"] <= 1.0
+        # The simulator's prediction for the same trace and policy.
+        assert 0.0 <= row["goodput_simulated"] <= 1.0
+        assert row["goodput_simulated_sd"] >= 0.0
+        assert row["ttft_p99_s"] > 0 and row["ttft_p99_s_simulated"] > 0
+        assert row["tpot_p99_s"] > 0 and row["tpot_p99_s_simulated"] > 0
+    rr = next(r for r in result["policies"] if r["policy"] == "round_robin")["served_by_pod"]
+    assert max(rr.values()) - min(rr.values()) <= 1  # round-robin alternates the decode pods
+
+    printed = capsys.readouterr().out
+    assert "disaggpool demo: 1 prefill + 2 decode emulated pods" in printed
+    assert all(policy in printed for policy in POLICIES)
