@@ -5,7 +5,7 @@ What it measures
 Wall time of a single ``route`` call for pools of 4 prefill and 8, 32 or 128 decode instances,
 for the calibrated policy and the round_robin, least_loaded and length baselines (all built with
 ``make_policy``). Only ``route`` is timed: building the snapshot (done by the simulator's
-``RouterState`` or by the sidecar's scraper) is not part of it.
+``RouterReplica`` or by the sidecar's scraper) is not part of it.
 
 Inputs are realistic and fixed by seed. Profiles are the *believed* profiles of
 ``sim.pools.build_pool(4, n_decode, builtin_profile("a40-llama3-8b"), seed=1)`` (per-instance speed

@@ -73,7 +73,7 @@ def _simulation(
         predictor.observe(r.slo_class or default, r.prompt_tokens, r.output_tokens)
     return Simulation(
         build_pool(N_PREFILL, N_DECODE, builtin_profile(benchutil.PROFILE), SEED),
-        policy=make_policy(policy),
+        policies=[make_policy(policy)],
         predictor=predictor,
         slo_classes=slo,
         default_class=default,

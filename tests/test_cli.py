@@ -46,7 +46,7 @@ def test_profile_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == list(BUILTIN_PROFILES)
-    assert len(lines) == 4
+    assert len(lines) == 6
     for line in lines:
         name, source, gpu, model = line.split()
         p = BUILTIN_PROFILES[name]

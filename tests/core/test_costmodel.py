@@ -105,3 +105,38 @@ def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
     est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     # the first is late anyway, the last has room: only the two between are pushed over
     assert est.slo_harm == 2
+
+
+def test_local_prefill_prices_the_stall_and_skips_the_transfer() -> None:
+    """The P/D decider's local path on a decode instance running 4 sequences: no KV transfer,
+    the prompt computed in the step it joins (p0 + p1 * n = 0.51 s here), every running
+    sequence stalled that long, and those TPOT targets it pushes over counted."""
+    inst = InstanceSnapshot(
+        "d",
+        "decode",
+        running=4,
+        kv_tokens_used=4000,
+        remaining_output_tokens=400.0,
+        tpot_targets=((0.03, 2), (0.5, 1)),
+    )
+    remote = costmodel.decode_estimate(request(), inst, PROFILE, 0.3)
+    local = costmodel.decode_estimate(request(), inst, PROFILE, 0.0, local=True)
+    tau = 0.02 + 0.001 * 5 + 1e-6 * 4750  # as in the busy-instance case above
+    own = 0.01 + 0.001 * 500
+    assert remote.ttft_s == pytest.approx(0.3 + 0.002 + 0.5 + tau)
+    assert local.ttft_s == pytest.approx(own + tau)
+    assert local.harm_s == pytest.approx(remote.harm_s + 4 * own)
+    # r's extra step alone keeps the two sequences aiming at 0.03 s on course (tau = 0.02975);
+    # the stall, spread over their r_bar = 100 remaining tokens, takes them to 0.03485 and over.
+    # The one aiming at 0.5 s keeps its room either way.
+    assert remote.slo_harm == 0
+    assert local.slo_harm == 2
+
+
+def test_queued_local_prefills_stall_a_remote_request_too() -> None:
+    busy = InstanceSnapshot("d", "decode", local_prefill_tokens=1500, local_prefill_sq_tokens=0.0)
+    idle = InstanceSnapshot("d", "decode")
+    stall = 2 * 0.01 + 0.001 * 1500  # 1500 tokens in two 1000-token iterations
+    a = costmodel.decode_estimate(request(), busy, PROFILE, 0.0)
+    b = costmodel.decode_estimate(request(), idle, PROFILE, 0.0)
+    assert a.ttft_s - b.ttft_s == pytest.approx(stall)

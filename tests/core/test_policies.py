@@ -10,7 +10,7 @@ import pytest
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import NoCapacityError
-from disaggpool.core.policies.registry import POLICY_NAMES, make_policy
+from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 
 A40 = builtin_profile("a40-llama3-8b")
 SLOW = A40.scaled(0.6, name="slow")
@@ -207,3 +207,48 @@ def test_unhealthy_instances_are_never_chosen_and_none_left_raises() -> None:
     dead = pool([decode("d0", healthy=False)])
     with pytest.raises(NoCapacityError):
         make_policy("calibrated").route(REQ, dead, random.Random(0))
+
+
+def test_pd_decider_prefills_on_a_decode_instance_only_when_that_saves_the_slo() -> None:
+    """A burst has queued 40k prompt tokens on both prefill instances: remotely the request
+    cannot meet its TTFT (about 6 s of queue), on an idle decode instance it can."""
+    queued = {"queued": 40, "queued_tokens": 40_000, "queued_sq_tokens": 40 * 1000.0**2}
+    busy = pool([decode("d0"), decode("d1")], [prefill("p0", **queued), prefill("p1", **queued)])
+    plain = make_policy("calibrated").route(REQ, busy, random.Random(0))
+    assert plain.prefill in ("p0", "p1") and plain.slo_feasible is False
+    local = make_policy("calibrated", options=PolicyOptions(pd_decider=True))
+    d = local.route(REQ, busy, random.Random(0))
+    assert d.prefill is None and d.decode in ("d0", "d1") and d.slo_feasible is True
+    # with the prefill pool idle the two legs are cheaper: nothing changes
+    idle = pool([decode("d0"), decode("d1")])
+    assert local.route(REQ, idle, random.Random(0)).prefill in ("p0", "p1")
+
+
+def test_threshold_decider_wraps_any_policy() -> None:
+    policy = make_policy("round_robin", options=PolicyOptions(local_prefill_below=1001))
+    snap = pool([decode("d0"), decode("d1")])
+    assert policy.route(REQ, snap, random.Random(0)).prefill is None  # 1000 < 1001
+    longer = dataclasses.replace(REQ, prompt_tokens=1001)
+    assert policy.route(longer, snap, random.Random(0)).prefill == "p1"  # the cursor moved on
+    with pytest.raises(ValueError, match="pd_decider"):
+        make_policy("length", options=PolicyOptions(pd_decider=True))
+    with pytest.raises(ValueError, match="local_prefill_below"):
+        PolicyOptions(local_prefill_below=-1)
+
+
+def test_route_decode_keeps_the_prefill_and_prices_the_elapsed_time() -> None:
+    """Late binding: the prefill leg on p1 returned 1.5 s after arrival; the decode choice sees
+    the state of now and a TTFT that already carries those 1.5 s."""
+    snap = pool([decode("d0", inflight=6, running=6), decode("d1")])
+    for name in POLICY_NAMES:
+        policy = make_policy(name, datasheet={"d0": A40, "d1": A40, "p0": A40, "p1": A40})
+        d = policy.route_decode(REQ, snap, random.Random(0), "p1", 1.5)
+        assert d.prefill == "p1" and d.decode in ("d0", "d1")
+        if d.predicted_ttft_s is not None:
+            assert d.predicted_ttft_s > 1.5
+    assert (
+        make_policy("calibrated").route_decode(REQ, snap, random.Random(0), "p1", 1.5).decode
+        == "d1"
+    )
+    with pytest.raises(NoCapacityError, match="p9"):
+        make_policy("length").route_decode(REQ, snap, random.Random(0), "p9", 0.0)

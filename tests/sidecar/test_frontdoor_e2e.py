@@ -283,3 +283,31 @@ def test_health_reports_no_capacity(start_pool, start_sidecar, stop_role) -> Non
     assert err.value.code == 503
     status, body = post(f"{sc.url}/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 503 and body["error"]["code"] == 503
+
+
+@pytest.mark.parametrize("switch", [{"decode_binding": "late"}, {"local_prefill_below": 10_000}])
+def test_late_binding_and_the_local_path_serve_every_request(
+    start_pool, start_sidecar, switch: dict[str, object]
+) -> None:
+    """Late binding chooses the decode pod after the prefill leg; the local path sends the
+    request to a decode pod as a plain request (no prefill leg, no kv_transfer_params)."""
+    pool = start_pool([A40], [A40, A40])
+    sc = start_sidecar(pool, **switch)
+    client = openai.OpenAI(base_url=f"{sc.url}/v1", api_key="unused", max_retries=0)
+    for i in range(6):
+        done = client.completions.create(model=MODEL, prompt=f"tell me story {i}", max_tokens=5)
+        assert done.usage is not None and done.usage.completion_tokens == 5
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="stream it", max_tokens=4, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices).split()
+    assert idle(sc)
+    assert metric(sc.url, "disaggpool_requests_total", outcome="failed") == 0
+    decode_routed = metric(sc.url, "disaggpool_route_decisions_total", role="decode")
+    assert decode_routed == 7
+    prefill_legs = metric(pool.emulator("p0").url, "vllm:request_success_total")
+    local = metric(sc.url, "disaggpool_local_prefills_total")
+    if "local_prefill_below" in switch:
+        assert (local, prefill_legs) == (7, 0)  # the prefill pod never saw a request
+    else:
+        assert (local, prefill_legs) == (0, 7)

@@ -149,4 +149,27 @@ def test_fuzzed_bytes_get_invalid_argument_and_the_server_stays_up(router, paylo
             assert exc.details(), "the error names what was wrong"
     # Still serving, and no request leaked into the books beyond what Route accepted.
     assert stub.GetPoolSnapshot(pb.GetPoolSnapshotRequest()).policy == "calibrated"
-    sc.call(lambda: sc.running.service.state.records.clear())
+    sc.call(lambda: sc.running.service.state.expired(float("inf"), 0.0))
+
+
+def test_late_binding_and_the_local_path_over_grpc(start_pool, start_sidecar) -> None:
+    pool = start_pool([A40], [A40, A40])
+    late = start_sidecar(pool, decode_binding="late")
+    with grpc.insecure_channel(late.grpc_target) as channel:
+        stub = pb_grpc.RouterStub(channel)
+        resp = stub.Route(pb.RouteRequest(request_id="l1", prompt_tokens=400))
+        assert resp.HasField("prefill") and not resp.HasField("decode")
+        bound = stub.BindDecode(pb.BindDecodeRequest(request_id="l1"))
+        assert bound.prefill.name == "p0" and bound.decode.name in ("d0", "d1")
+        assert bound.HasField("predicted_ttft_s")
+        with pytest.raises(grpc.RpcError) as err:  # bound once only
+            stub.BindDecode(pb.BindDecodeRequest(request_id="l1"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id" in (err.value.details() or "")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.BindDecode(pb.BindDecodeRequest(request_id="never-routed"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    local = start_sidecar(pool, local_prefill_below=10_000)
+    with grpc.insecure_channel(local.grpc_target) as channel:
+        resp = pb_grpc.RouterStub(channel).Route(pb.RouteRequest(request_id="x", prompt_tokens=50))
+        assert not resp.HasField("prefill") and resp.decode.name in ("d0", "d1")

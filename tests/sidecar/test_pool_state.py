@@ -1,5 +1,5 @@
-"""The live accounting: every lifecycle returns the counters to zero; snapshots mean what the
-simulator's do."""
+"""The sidecar's pool state over the shared ledger: every lifecycle returns the counters to zero,
+cached views are never stale, members leave only when their requests are done."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disaggpool.core.contracts import SLOClass
+from disaggpool.core.ledger import Entry, Gauges, view
 from disaggpool.sidecar.config import Member
-from disaggpool.sidecar.state import Gauges, InflightRecord, PoolState, _view
+from disaggpool.sidecar.state import Instance, PoolState
 
 SLO = SLOClass("c", 1.0, 0.1)
 MEMBERS = [
@@ -20,18 +21,27 @@ MEMBERS = [
 ]
 
 
-def record(
-    rid: str, p: str = "p0", d: str = "d0", n: int = 100, out: float = 50.0
-) -> InflightRecord:
-    return InflightRecord(rid, p, d, n, out, SLO, routed_at=0.0)
+def record(rid: str, p: str = "p0", d: str = "d0", n: int = 100, out: float = 50.0) -> Entry:
+    return Entry(rid, p, d, n, out, SLO, routed_at=0.0)
 
 
 def zeroed(state: PoolState) -> bool:
     return all(
-        (i.inflight, i.queued, i.queued_tokens, i.queued_sq_tokens, i.decoding, i.targets)
+        (a.inflight, a.queued, a.queued_tokens, a.queued_sq_tokens, a.decoding, a.targets)
         == (0, 0, 0, 0.0, 0, {})
-        and abs(i.predicted_left) < 1e-6
-        for i in state.instances.values()
+        and abs(a.predicted_left) < 1e-6
+        for a in state.ledger.accounts.values()
+    )
+
+
+def fresh_view(state: PoolState, inst: Instance) -> object:
+    return view(
+        inst.name,
+        inst.role,
+        state.ledger.accounts.get(inst.name),
+        inst.gauges,
+        healthy=inst.healthy,
+        profile=inst.profile,
     )
 
 
@@ -84,7 +94,7 @@ def test_expiry_forgets_unreported_requests() -> None:
     s.routed(record("old"))
     s.routed(dataclasses.replace(record("new"), routed_at=100.0))
     assert [r.request_id for r in s.expired(now=150.0, ttl=60.0)] == ["old"]
-    assert list(s.records) == ["new"]
+    assert list(s.ledger.entries) == ["new"]
 
 
 ops = st.lists(
@@ -104,7 +114,7 @@ def test_any_interleaving_returns_to_zero(seq: list[tuple[str, int, int]]) -> No
     s.set_members(MEMBERS)
     for op, i, n in seq:
         rid = f"r{i}"
-        if op == "route" and rid not in s.records:
+        if op == "route" and not s.is_inflight(rid):
             s.routed(record(rid, d="d0" if i % 2 else "d1", n=n, out=n / 3))
         elif op == "prefilled":
             s.prefilled(rid)
@@ -116,7 +126,7 @@ def test_any_interleaving_returns_to_zero(seq: list[tuple[str, int, int]]) -> No
             assert inst.inflight >= 0 and inst.queued >= 0 and inst.queued_tokens >= 0
             assert inst.remaining_output_tokens >= -1e-6
         for live in s.instances.values():  # a cached view is never stale
-            assert live.view is None or live.view == _view(live)
-    for rid in list(s.records):
+            assert live.view is None or live.view == fresh_view(s, live)
+    for rid in list(s.ledger.entries):
         s.finished(rid)
     assert zeroed(s)

@@ -1,45 +1,74 @@
-"""One scorer, everywhere: the decisions the simulator made are the decisions the sidecar makes.
+"""One scorer and one ledger, everywhere: fed the same events, the sidecar decides what the
+simulator decided.
 
-A simulation records every (request, pool snapshot) it routed and what its policy chose; a
-sidecar `RoutingService` configured with the same policy name and seed is then handed the very
-same inputs and must choose the same pods, decision by decision (same policy objects from the same
-registry, same seeded RNG stream). Then the sidecar's own snapshot builder is checked against the
-simulator's meaning for the router's accounting: routed requests, queued prompt tokens (and
-squares), TPOT targets.
+A simulation runs with its router replica recording, in order, every event a real router would
+see: each scrape (the gauges it read), each routed request (and the decision), each prefill leg
+answered, each streamed-token count, each late decode binding, each end. Those events are then
+replayed into a sidecar `RoutingService` (same policy name, options and seed; a clock set to the
+event's time; the pods' believed profiles installed), through its public API: `route`,
+`bind_decode`, `prefilled`, `progress`, `finished`, `failed`, and the pool state's `scraped`.
+Every decision must come out the same, for every policy, at arrival and with late binding, with
+the calibrated P/D decider on and off. Both sides build their snapshots with `core.ledger`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from typing import Any
 
 import pytest
 
-from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
+from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.ledger import Gauges
+from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
+from disaggpool.engine.request import EngineRequest
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sidecar.config import parse_config
+from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.service import RoutingService
-from disaggpool.sim.cluster import Simulation
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.pools import build_pool
+from disaggpool.sim.router import RouterReplica
 
-A40 = builtin_profile("a40-llama3-8b")
-SLO = SLOClass("chat", 2.0, 0.07)
+QWEN = builtin_profile("a40-qwen2.5-3b")
+DATASHEET = builtin_profile("a40-qwen2.5-3b-datasheet")
+SLO = SLOClass("chat", 0.3, 0.05)
+
+Event = tuple[Any, ...]
 
 
-class Recording:
-    """Wraps a policy and keeps every call (the snapshot objects are immutable)."""
+class RecordingReplica(RouterReplica):
+    """The simulator's router replica, writing down every event it is told or reads."""
 
-    def __init__(self, name: str) -> None:
-        self.inner = make_policy(name)
-        self.name = self.inner.name
-        self.calls: list[tuple[RequestFeatures, PoolSnapshot, RouteDecision]] = []
+    def __init__(self, *args: Any, log: list[Event], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
 
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        decision = self.inner.route(req, pool, rng)
-        self.calls.append((req, pool, decision))
-        return decision
+    def scraped(self, name: str, gauges: Gauges, now: float) -> None:
+        self.log.append(("scraped", now, name, gauges))
+        super().scraped(name, gauges, now)
+
+    def progress(self, req: EngineRequest, produced: int) -> None:
+        self.log.append(("progress", req.key, produced))
+        super().progress(req, produced)
+
+    def routed(self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float) -> None:
+        self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode))
+        super().routed(req, prefill, decode, slo, now)
+
+    def bind_decode(self, req: EngineRequest, decode: str) -> None:
+        self.log.append(("bound", req.key, decode))
+        super().bind_decode(req, decode)
+
+    def prefilled(self, req: EngineRequest) -> None:
+        self.log.append(("prefilled", req.key))
+        super().prefilled(req)
+
+    def finished(self, req: EngineRequest) -> None:
+        self.log.append(("finished", req.key, req.output_tokens, req.finish >= 0))
+        super().finished(req)
 
 
 def trace(n: int, seed: int) -> list[TraceRequest]:
@@ -47,72 +76,156 @@ def trace(n: int, seed: int) -> list[TraceRequest]:
     t = 0.0
     out = []
     for _ in range(n):
-        t += rng.expovariate(12.0)
-        out.append(TraceRequest(t, rng.randint(20, 3000), rng.randint(5, 400), "chat"))
+        t += rng.expovariate(14.0)
+        out.append(TraceRequest(t, rng.randint(20, 2000), rng.randint(5, 300), "chat"))
     return out
 
 
-@pytest.mark.parametrize("policy", ["calibrated", "least_loaded", "length", "p2c", "random"])
-def test_the_sidecar_decides_what_the_simulator_decided(policy: str) -> None:
-    specs = build_pool(2, 6, A40, seed=4)
-    recorder = Recording(policy)
+def simulate(
+    specs: list[InstanceSpec], policy: str, options: PolicyOptions, late: bool
+) -> list[Event]:
+    log: list[Event] = []
+    datasheet = {s.name: DATASHEET for s in specs}
     sim = Simulation(
         specs,
-        policy=recorder,
+        policies=[make_policy(policy, datasheet=datasheet, options=options)],
         predictor=make_predictor("online"),
         slo_classes={"chat": SLO},
         default_class="chat",
         seed=11,
+        router=RouterOptions(late_binding=late),
     )
-    sim.run(trace(400, seed=5))
-    assert len(recorder.calls) == 400
-
-    static = {
-        role: [{"name": s.name, "url": f"http://{s.name}"} for s in specs if s.role == role]
-        for role in ("prefill", "decode")
-    }
-    cfg = parse_config(
-        {
-            "policy": policy,
-            "model": "m",
-            "pool": {"static": static},
-            "slo_classes": [{"name": "chat", "ttft_s": 2.0, "tpot_s": 0.07}],
-        }
-    )
-    service = RoutingService(cfg, seed=11)
-    # The simulator's RNG also fed its predictor; the online predictor draws nothing from it.
-    same = [
-        service.policy.route(req, pool, service.rng) == decision
-        for req, pool, decision in recorder.calls
+    (replica,) = sim.routers
+    sim.routers = [
+        RecordingReplica(
+            sim.prefill,
+            sim.decode,
+            {s.name: s.believed_profile for s in specs},
+            log=log,
+        )
     ]
-    assert all(same), f"{same.count(False)} of {len(same)} decisions differ"
+    del replica
+    sim.run(trace(300, seed=5))
+    return log
 
 
-def test_the_sidecar_books_requests_as_the_simulator_does() -> None:
-    specs = build_pool(1, 2, A40, seed=4)
-    static = {
-        role: [{"name": s.name, "url": f"http://{s.name}"} for s in specs if s.role == role]
-        for role in ("prefill", "decode")
-    }
-    cfg = parse_config(
-        {
-            "policy": "round_robin",
-            "model": "m",
-            "pool": {"static": static},
-            "slo_classes": [{"name": "chat", "ttft_s": 2.0, "tpot_s": 0.07}],
-        }
+def replay(
+    log: list[Event], specs: list[InstanceSpec], policy: str, options: PolicyOptions, late: bool
+) -> tuple[int, int]:
+    """Feed `log` to a RoutingService; returns (decisions compared, decisions that differ)."""
+    members = tuple(Member(s.name, s.role, f"http://{s.name}") for s in specs)  # type: ignore[arg-type]
+    config = SidecarConfig(
+        policy=policy,
+        model="m",
+        slo_classes=(SLO,),
+        static_members=members,
+        decode_binding="late" if late else "arrival",
+        options=options,
     )
-    service = RoutingService(cfg, seed=0, clock=lambda: 0.0)
-    service.state.set_members(cfg.static_members)
-    prompts = [300, 1200, 50, 700]
-    for i, n in enumerate(prompts):
-        service.route(f"r{i}", n)
+    now = [0.0]
+    datasheet = {s.name: DATASHEET for s in specs}
+    service = RoutingService(
+        config,
+        policy=make_policy(policy, datasheet=datasheet, options=options),
+        seed=11,
+        clock=lambda: now[0],
+    )
+    service.state.set_members(members)
+    for s in specs:
+        service.state.set_profile(s.name, s.believed_profile, 0.0)
+    compared = differ = 0
+    for event in log:
+        kind = event[0]
+        if kind == "scraped":
+            _, t, name, gauges = event
+            now[0] = t
+            service.state.scraped(name, gauges, t)
+        elif kind == "progress":
+            service.progress(event[1], event[2])
+        elif kind == "routed":
+            _, t, rid, prompt, prefill, decode = event
+            now[0] = t
+            routed = service.route(rid, prompt)
+            got = (
+                routed.prefill.name if routed.prefill else None,
+                routed.decode.name if routed.decode else None,
+            )
+            compared += 1
+            differ += got != (prefill, decode)
+        elif kind == "bound":
+            routed = service.bind_decode(event[1])
+            compared += 1
+            differ += routed.decode is None or routed.decode.name != event[2]
+        elif kind == "prefilled":
+            service.prefilled(event[1])
+        elif kind == "finished":
+            _, rid, output, done = event
+            if done:
+                service.finished(rid, output, 0.1, 0.01)
+            else:
+                service.failed(rid, "refused by an engine")
+    assert service.inflight == 0
+    return compared, differ
+
+
+CASES = [(name, PolicyOptions(), False) for name in POLICY_NAMES] + [
+    ("length", PolicyOptions(), True),
+    ("calibrated", PolicyOptions(), True),
+    ("calibrated", PolicyOptions(pd_decider=True), False),
+    ("round_robin", PolicyOptions(local_prefill_below=300), False),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "options", "late"),
+    CASES,
+    ids=[
+        "-".join(
+            [p, "late" if late else "arrival"]
+            + (["pd_decider"] if o.pd_decider else [])
+            + ([f"local<{o.local_prefill_below}"] if o.local_prefill_below else [])
+        )
+        for p, o, late in CASES
+    ],
+)
+def test_the_sidecar_decides_what_the_simulator_decided(
+    policy: str, options: PolicyOptions, late: bool
+) -> None:
+    specs = build_pool(2, 4, QWEN, seed=4)
+    log = simulate(specs, policy, options, late)
+    routed = sum(1 for e in log if e[0] == "routed")
+    assert routed == 300
+    if late:
+        assert sum(1 for e in log if e[0] == "bound") > 250
+    if options.pd_decider or options.local_prefill_below:
+        locals_ = sum(1 for e in log if e[0] == "routed" and e[4] is None)
+        assert 0 < locals_ < routed  # the decider took both paths in this trace
+    compared, differ = replay(log, specs, policy, options, late)
+    assert compared >= 300
+    assert differ == 0, f"{differ} of {compared} decisions differ"
+
+
+def test_a_late_bound_request_books_its_decode_pod_only_when_bound() -> None:
+    specs = build_pool(1, 2, QWEN, seed=4)
+    members = tuple(Member(s.name, s.role, f"http://{s.name}") for s in specs)  # type: ignore[arg-type]
+    config = SidecarConfig(
+        policy="calibrated", model="m", slo_classes=(SLO,), decode_binding="late"
+    )
+    service = RoutingService(config, seed=0, clock=lambda: 0.0)
+    service.state.set_members(members)
+    for s in specs:
+        service.state.set_profile(s.name, s.believed_profile, 0.0)
+    routed = service.route("r0", 700)
+    assert routed.prefill is not None and routed.decode is None
     snap = service.state.snapshot(0.0)
-    (p,) = snap.prefill
-    # Nothing prefilled yet: every prompt queues at the prefill pod, as RouterState.routed books it.
-    assert (p.inflight, p.queued, p.queued_tokens) == (4, 4, sum(prompts))
-    assert p.queued_sq_tokens == sum(n * n for n in prompts)
+    assert snap.prefill[0].queued_tokens == 700
+    assert sum(d.inflight for d in snap.decode) == 0  # nothing booked on decode yet
+    bound = service.bind_decode("r0")
+    assert bound.decode is not None and bound.decision.decode == bound.decode.name
+    snap = service.state.snapshot(0.0)
+    assert snap.prefill[0].queued_tokens == 0  # binding also reports the prefill leg done
     by_pod = {d.name: d for d in snap.decode}
-    assert sum(d.inflight for d in by_pod.values()) == 4
-    assert sum(d.queued_tokens for d in by_pod.values()) == sum(prompts)
-    assert all(d.tpot_targets == ((0.07, d.inflight),) for d in by_pod.values())
+    assert by_pod[bound.decode.name].queued_tokens == 700
+    with pytest.raises(Exception, match="awaiting its decode pod"):
+        service.bind_decode("r0")
+    assert dataclasses.replace(bound, decode=None).decode is None

@@ -444,3 +444,31 @@ def test_onoff_generated_trace(tmp_path: Path) -> None:
     with pytest.raises(InputError) as err:
         load_scenario(bad)
     assert err.value.field == "trace.generate.burst_factor"
+
+
+def test_router_block_sets_what_the_router_knows_and_its_switches(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    doc = {
+        "pool": {"prefill": [{"count": 1, "profile": "a40-llama3-8b"}],
+                 "decode": [{"count": 2, "profile": "a40-llama3-8b"}]},
+        "slo_classes": [{"name": "chat", "ttft_s": 2.0, "tpot_s": 0.1}],
+        "trace": {"generate": {"n": 20, "rate": 2.0}},
+        "policies": ["length", "calibrated"],
+        "router": {"scrape_interval_s": 0.5, "replicas": 2, "decode_binding": "late",
+                   "pd_decider": True, "local_prefill_below": 64},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(doc))
+    scen = load_scenario(path)
+    specs = {s.policy: s for s in scen.specs()}
+    assert specs["calibrated"].router.replicas == 2 and specs["calibrated"].router.late_binding
+    assert specs["calibrated"].options.pd_decider
+    assert not specs["length"].options.pd_decider  # no cost model to price it with
+    assert specs["length"].options.local_prefill_below == 64
+    doc["router"] = {"decode_binding": "sometimes"}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(InputError, match=r"router\.decode_binding: must be arrival or late"):
+        load_scenario(path)
+    doc["router"] = {"replicas": 0}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(InputError, match=r"router\.replicas"):
+        load_scenario(path)

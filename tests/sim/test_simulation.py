@@ -9,10 +9,10 @@ import pytest
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import POLICY_NAMES, make_policy
+from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.sim import workload
-from disaggpool.sim.cluster import InstanceSpec, Simulation
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
 from disaggpool.sim.pools import build_pool
 from disaggpool.sim.runner import RunSpec, execute
@@ -39,7 +39,7 @@ def trace(n: int = 600, rate: float = 12.0, seed: int = 3):
 def simulate(policy: str, instances, reqs, seed: int = 1):
     sim = Simulation(
         instances,
-        policy=make_policy(policy, datasheet={i.name: DATASHEET for i in instances}),
+        policies=[make_policy(policy, datasheet={i.name: DATASHEET for i in instances})],
         predictor=make_predictor("online"),
         slo_classes=SLO,
         default_class="chat",
@@ -72,7 +72,7 @@ def test_ttft_includes_prefill_transfer_and_a_decode_step_when_idle() -> None:
     instances = [InstanceSpec("p", "prefill", A40, A40), InstanceSpec("d", "decode", A40, A40)]
     sim = Simulation(
         instances,
-        policy=make_policy("round_robin"),
+        policies=[make_policy("round_robin")],
         predictor=make_predictor("oracle"),
         slo_classes=SLO,
         default_class="chat",
@@ -131,7 +131,7 @@ def test_rejected_requests_leave_no_trace_in_the_router_accounting() -> None:
     instances = build_pool(2, 2, A40, seed=1)
     sim = Simulation(
         instances,
-        policy=make_policy("calibrated"),
+        policies=[make_policy("calibrated")],
         predictor=make_predictor("online"),
         slo_classes=SLO,
         default_class="chat",
@@ -140,7 +140,86 @@ def test_rejected_requests_leave_no_trace_in_the_router_accounting() -> None:
     outcome = sim.run(reqs)
     assert len(outcome.rejected) == 2
     assert sum(1 for r in outcome.requests if r.finish >= 0) == 198
-    assert sim.router.inflight == [0, 0, 0, 0]
-    assert sim.router.tokens == [0, 0, 0, 0]
-    assert all(not t for t in sim.router.targets)
+    (router,) = sim.routers
+    assert router.ledger.entries == {}
+    accounts = router.ledger.accounts.values()
+    assert {(a.inflight, a.queued, a.queued_tokens, a.decoding) for a in accounts} == {(0, 0, 0, 0)}
+    assert all(not a.targets for a in accounts)
     assert summarize(outcome, SLO)["rejected"] == 2
+
+
+def _run(policy: str, options: PolicyOptions, router: RouterOptions, reqs, replicas: int = 1):
+    instances = build_pool(2, 4, A40, seed=1)
+    sim = Simulation(
+        instances,
+        policies=[make_policy(policy, options=options) for _ in range(replicas)],
+        predictor=make_predictor("online"),
+        slo_classes=SLO,
+        default_class="chat",
+        seed=1,
+        router=router,
+    )
+    return sim, sim.run(reqs)
+
+
+@pytest.mark.parametrize(
+    ("options", "router", "replicas"),
+    [
+        (PolicyOptions(), RouterOptions(late_binding=True), 1),
+        (PolicyOptions(), RouterOptions(scrape_interval_s=1.0, replicas=3), 3),
+        (PolicyOptions(pd_decider=True), RouterOptions(), 1),
+        (PolicyOptions(local_prefill_below=600), RouterOptions(scrape_interval_s=0.5), 1),
+    ],
+    ids=["late", "stale-3-replicas", "pd_decider", "local<600"],
+)
+def test_router_options_serve_every_request_and_leave_clean_books(
+    options: PolicyOptions, router: RouterOptions, replicas: int
+) -> None:
+    reqs = trace(n=500, rate=14.0)
+    sim, outcome = _run("calibrated", options, router, reqs, replicas)
+    done = [r for r in outcome.requests if r.finish >= 0]
+    assert len(done) == len(reqs)
+    for r in done:
+        assert r.arrival <= r.first_token <= r.finish
+        assert r.decode_instance.startswith("decode-")
+    local = [r for r in done if not r.prefill_instance]
+    if options.pd_decider or options.local_prefill_below:
+        assert 0 < len(local) < len(done)
+        assert all(r.prefill_done < 0 for r in local)  # no prefill leg, no prefill pod
+        if options.local_prefill_below:
+            assert all(r.prompt_tokens < 600 for r in local)
+    else:
+        assert not local
+    assert len(sim.routers) == replicas
+    for router_replica in sim.routers:
+        assert router_replica.ledger.entries == {}
+        for acc in router_replica.ledger.accounts.values():
+            assert (acc.inflight, acc.queued, acc.queued_tokens, acc.local_tokens) == (0, 0, 0, 0)
+
+
+def test_late_binding_decides_on_the_state_after_prefill() -> None:
+    """With late binding every decode choice happens when its prefill is done, so every request
+    is still routed, and the simulation stays deterministic."""
+    reqs = trace(n=300, rate=14.0)
+    a = _run("calibrated", PolicyOptions(), RouterOptions(late_binding=True), reqs)[1]
+    b = _run("calibrated", PolicyOptions(), RouterOptions(late_binding=True), reqs)[1]
+    assert [r.decode_instance for r in a.requests] == [r.decode_instance for r in b.requests]
+    early = _run("calibrated", PolicyOptions(), RouterOptions(), reqs)[1]
+    assert [r.decode_instance for r in a.requests] != [r.decode_instance for r in early.requests]
+
+
+def test_router_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        RouterOptions(replicas=0)
+    with pytest.raises(ValueError, match="scrape_interval_s"):
+        RouterOptions(scrape_interval_s=-1.0)
+    with pytest.raises(ValueError, match="policy objects"):
+        Simulation(
+            build_pool(1, 1, A40, seed=1),
+            policies=[make_policy("length")],
+            predictor=make_predictor("online"),
+            slo_classes=SLO,
+            default_class="chat",
+            seed=1,
+            router=RouterOptions(replicas=2),
+        )

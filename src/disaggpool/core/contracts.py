@@ -66,6 +66,9 @@ class InstanceSnapshot:
     (sum of squared prompt lengths of the queued ones), `remaining_output_tokens` (sum of their
     predicted remaining output tokens) and `tpot_targets` (the TPOT targets of the in-flight
     requests as ``(target seconds, count)`` pairs, so the scorer can tell whom a slowdown hurts).
+    `local_prefill_tokens` / `local_prefill_sq_tokens` (decode instances): prompt tokens (and their
+    squares) of the requests routed there to be prefilled *on the decode instance itself* (the
+    P/D decider's local path) that have not started decoding.
     `profile` is the calibration profile the router believes for this instance, or None.
     """
 
@@ -80,6 +83,8 @@ class InstanceSnapshot:
     queued_sq_tokens: float = 0.0
     remaining_output_tokens: float = 0.0
     tpot_targets: tuple[tuple[float, int], ...] = ()
+    local_prefill_tokens: int = 0
+    local_prefill_sq_tokens: float = 0.0
     healthy: bool = True
     profile: CalibrationProfile | None = None
 
@@ -97,6 +102,8 @@ class PoolSnapshot:
 class RouteDecision:
     """Where one request goes and what the scorer expected to happen there.
 
+    `prefill` is None when the decode instance prefills the prompt itself (the P/D decider chose
+    the local path: no prefill leg, no KV transfer).
     `policy` is the name of the policy that decided, whatever it fell back on. `fallback` says
     what it fell back on when it could not score every instance with a trusted profile: None (it
     did not), ``"median-profile"`` (an instance without one was scored with its pool's median
@@ -106,7 +113,7 @@ class RouteDecision:
     others), True otherwise. `guarded` says the scarcity guard overrode the cheapest instance.
     """
 
-    prefill: str
+    prefill: str | None
     decode: str
     policy: str
     predicted_ttft_s: float | None = None

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["DecodeEstimate", "decode_estimate", "prefill_ready_time"]
+__all__ = ["DecodeEstimate", "decode_estimate", "local_prefill_time", "prefill_ready_time"]
 
 #: Fraction of the KV capacity kept free before admission waits (vLLM keeps a watermark too).
 KV_HEADROOM = 0.02
@@ -63,13 +63,32 @@ def prefill_ready_time(
     return iterations * pf.p0 + pf.p1 * tokens + pf.p2 * (q_sq + n * n)
 
 
+def local_prefill_time(inst: InstanceSnapshot, prof: CalibrationProfile) -> float:
+    """Seconds the local prefills already routed to decode instance `inst` will stall it."""
+    q = inst.local_prefill_tokens
+    if q <= 0:
+        return 0.0
+    pf = prof.prefill
+    return (
+        math.ceil(q / prof.max_num_batched_tokens) * pf.p0
+        + pf.p1 * q
+        + pf.p2 * inst.local_prefill_sq_tokens
+    )
+
+
 def decode_estimate(
     req: RequestFeatures,
     inst: InstanceSnapshot,
     prof: CalibrationProfile,
     prefill_ready_s: float,
+    *,
+    local: bool = False,
 ) -> DecodeEstimate:
-    """Additional completion time of admitting `req` on decode instance `inst` (COSTMODEL.md)."""
+    """Additional completion time of admitting `req` on decode instance `inst` (COSTMODEL.md).
+
+    `local`: the decode instance prefills the prompt itself (no prefill leg, no KV transfer);
+    `prefill_ready_s` is then the time already spent before the decision (0 at arrival).
+    """
     n = req.prompt_tokens
     o = req.predicted_output_tokens if req.predicted_output_tokens > 1.0 else 1.0
     dm = prof.decode
@@ -125,6 +144,20 @@ def decode_estimate(
     else:
         penalty = 0.0
 
-    ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + tau
+    # Local prefills queued there stall every step they run in: r waits for them too.
+    stall = local_prefill_time(inst, prof)
+    if local:
+        # r's own prompt is prefilled in the step it joins, which stalls every sequence there
+        # for that long; spread over their remaining tokens it raises their TPOT.
+        own = prof.prefill.prompt_time(n)
+        ttft = prefill_ready_s + wait + stall + own + tau
+        harm += b_ahead * own
+        if inst.tpot_targets and b_ahead:
+            tau_stalled = tau + own / (r_bar if r_bar > 1.0 else 1.0)
+            for target, count in inst.tpot_targets:
+                if tau <= target < tau_stalled:
+                    slo_harm += count
+    else:
+        ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
     act = wait + o * tau + harm
     return DecodeEstimate(act, ttft, tau + penalty / o, harm, slo_harm)

@@ -17,20 +17,40 @@ Pure data and arithmetic; `disaggpool profile list/show` prints them in the file
 
 from __future__ import annotations
 
+import dataclasses
+
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
 
-__all__ = ["BUILTIN_PROFILES", "builtin_profile"]
+__all__ = ["BUILTIN_PROFILES", "LLAMA3_8B", "QWEN25_3B", "ModelShape", "builtin_profile"]
 
 GIB = 1024**3
-MODEL = "meta-llama/Meta-Llama-3-8B"
-WEIGHT_BYTES = 16.06e9
-FLOPS_PER_TOKEN = 13.95e9  # 2 x non-embedding parameters
-ATTN_FLOPS_PER_TOKEN_SQ = 2.6e5  # causal attention, 2 * d_model * layers
-KV_BYTES_PER_TOKEN = 128 * 1024  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What a roofline needs to know of a model (BF16, one GPU)."""
+
+    name: str  # the hub id
+    short: str  # the profile name's model part
+    weight_bytes: float  # every decode step streams all weights once
+    flops_per_token: float  # 2 x non-embedding parameters
+    attn_flops_per_token_sq: float  # causal attention: 2 * d_model * layers
+    kv_bytes_per_token: int  # layers x KV heads x head size x 2 (K, V) x 2 bytes
+
+
+LLAMA3_8B = ModelShape(
+    "meta-llama/Meta-Llama-3-8B", "llama3-8b", 16.06e9, 13.95e9, 2.6e5, 32 * 8 * 128 * 2 * 2
+)
+# Qwen2.5-3B: d_model 2048, 36 layers, 16 query / 2 KV heads of 128, MLP 11008, vocabulary
+# 151,936 with tied embeddings: 3.09e9 parameters (2.77e9 outside the embedding).
+QWEN25_3B = ModelShape(
+    "Qwen/Qwen2.5-3B", "qwen2.5-3b", 6.17e9, 5.55e9, 1.47e5, 36 * 2 * 128 * 2 * 2
+)
 
 
 def _measured(
     gpu: str,
+    model: ModelShape,
     *,
     bw: float,
     flops: float,
@@ -42,22 +62,25 @@ def _measured(
     kv_capacity: int,
     max_num_seqs: int,
     max_batched: int,
+    notes: str = "",
 ) -> CalibrationProfile:
+    kv = model.kv_bytes_per_token
     return CalibrationProfile(
-        name=f"{gpu}-llama3-8b",
+        name=f"{gpu}-{model.short}",
         gpu=gpu,
-        model=MODEL,
+        model=model.name,
         prefill=PrefillModel(
-            overhead, FLOPS_PER_TOKEN / flops, ATTN_FLOPS_PER_TOKEN_SQ / attn_flops
+            overhead, model.flops_per_token / flops, model.attn_flops_per_token_sq / attn_flops
         ),
-        decode=DecodeModel(overhead + WEIGHT_BYTES / bw, per_seq, KV_BYTES_PER_TOKEN / bw),
-        kv_transfer=KVTransferModel(link_setup, KV_BYTES_PER_TOKEN, link),
+        decode=DecodeModel(overhead + model.weight_bytes / bw, per_seq, kv / bw),
+        kv_transfer=KVTransferModel(link_setup, kv, link),
         kv_capacity_tokens=kv_capacity,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_batched,
         source="builtin",
         quality="good",
-        notes=(
+        notes=notes
+        or (
             "roofline, achieved efficiencies from Vidur operator profiles"
             " (docs/hardware-profiles.md §2.3)"
         ),
@@ -66,6 +89,7 @@ def _measured(
 
 def _datasheet(
     gpu: str,
+    model: ModelShape,
     *,
     bw: float,
     flops: float,
@@ -73,16 +97,20 @@ def _datasheet(
     memory_gib: float,
     max_num_seqs: int,
     max_batched: int,
+    kv_capacity: int | None = None,
 ) -> CalibrationProfile:
-    usable = memory_gib * GIB * 0.92 - WEIGHT_BYTES  # vLLM 0.33 gpu_memory_utilization default
+    kv = model.kv_bytes_per_token
+    usable = memory_gib * GIB * 0.92 - model.weight_bytes  # vLLM 0.33 gpu_memory_utilization
     return CalibrationProfile(
-        name=f"{gpu}-llama3-8b-datasheet",
+        name=f"{gpu}-{model.short}-datasheet",
         gpu=gpu,
-        model=MODEL,
-        prefill=PrefillModel(0.0, FLOPS_PER_TOKEN / flops, ATTN_FLOPS_PER_TOKEN_SQ / flops),
-        decode=DecodeModel(WEIGHT_BYTES / bw, 0.0, KV_BYTES_PER_TOKEN / bw),
-        kv_transfer=KVTransferModel(0.0, KV_BYTES_PER_TOKEN, link),
-        kv_capacity_tokens=int(usable // KV_BYTES_PER_TOKEN),
+        model=model.name,
+        prefill=PrefillModel(
+            0.0, model.flops_per_token / flops, model.attn_flops_per_token_sq / flops
+        ),
+        decode=DecodeModel(model.weight_bytes / bw, 0.0, kv / bw),
+        kv_transfer=KVTransferModel(0.0, kv, link),
+        kv_capacity_tokens=kv_capacity if kv_capacity is not None else int(usable // kv),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_batched,
         source="datasheet",
@@ -91,26 +119,52 @@ def _datasheet(
     )
 
 
+def _a40(model: ModelShape, kv_capacity: int, notes: str = "") -> CalibrationProfile:
+    """The A40's achieved rates and overheads (docs/hardware-profiles.md §2.3-2.4)."""
+    return _measured(
+        "a40",
+        model,
+        bw=0.56e12,
+        flops=100e12,
+        attn_flops=70e12,
+        overhead=0.003,
+        per_seq=1.0e-4,
+        link=20e9,
+        link_setup=0.002,
+        kv_capacity=kv_capacity,
+        max_num_seqs=256,
+        max_batched=2048,
+        notes=notes,
+    )
+
+
+def _a40_datasheet(model: ModelShape, kv_capacity: int | None = None) -> CalibrationProfile:
+    """The A40's spec sheet (docs/hardware-profiles.md §3)."""
+    return _datasheet(
+        "a40",
+        model,
+        bw=696e9,
+        flops=149.7e12,
+        link=32e9,
+        memory_gib=45.0,
+        max_num_seqs=256,
+        max_batched=2048,
+        kv_capacity=kv_capacity,
+    )
+
+
+#: The study's KV budget per engine (a deployment setting, not the GPU's memory).
+STUDY_KV_TOKENS = 60_000
+
 # vLLM 0.33 batch defaults (docs/vllm-protocol.md §1.4): A40-class 256 seqs / 2048 tokens,
 # H100-class 1024 / 8192.
 BUILTIN_PROFILES: dict[str, CalibrationProfile] = {
     p.name: p
     for p in (
-        _measured(
-            "a40",
-            bw=0.56e12,
-            flops=100e12,
-            attn_flops=70e12,
-            overhead=0.003,
-            per_seq=1.0e-4,
-            link=20e9,
-            link_setup=0.002,
-            kv_capacity=190_000,
-            max_num_seqs=256,
-            max_batched=2048,
-        ),
+        _a40(LLAMA3_8B, 190_000),
         _measured(
             "h100",
+            LLAMA3_8B,
             bw=2.4e12,
             flops=640e12,
             attn_flops=450e12,
@@ -122,17 +176,18 @@ BUILTIN_PROFILES: dict[str, CalibrationProfile] = {
             max_num_seqs=1024,
             max_batched=8192,
         ),
-        _datasheet(
-            "a40",
-            bw=696e9,
-            flops=149.7e12,
-            link=32e9,
-            memory_gib=45.0,
-            max_num_seqs=256,
-            max_batched=2048,
+        _a40(
+            QWEN25_3B,
+            STUDY_KV_TOKENS,
+            (
+                "the study's hardware: roofline with the A40's achieved efficiencies, 60k-token"
+                " KV budget (docs/hardware-profiles.md §6)"
+            ),
         ),
+        _a40_datasheet(LLAMA3_8B),
         _datasheet(
             "h100",
+            LLAMA3_8B,
             bw=3.35e12,
             flops=989e12,
             link=50e9,
@@ -140,6 +195,7 @@ BUILTIN_PROFILES: dict[str, CalibrationProfile] = {
             max_num_seqs=1024,
             max_batched=8192,
         ),
+        _a40_datasheet(QWEN25_3B, STUDY_KV_TOKENS),
     )
 }
 

@@ -164,6 +164,12 @@ class DecodeEngine:
         """Output tokens `req` has produced by boundary `step` (it must be running)."""
         return req.generated + self.step - req.join_step
 
+    def produced_by(self, now: float) -> list[tuple[EngineRequest, int]]:
+        """Each running sequence with the output tokens it has produced by `now`: what a client
+        streaming it has received (the simulator reports it to the router's ledger)."""
+        step = self.step + self._steps_done_by(now)
+        return [(req, req.generated + step - req.join_step) for req in self.running.values()]
+
     def next_boundary(self) -> float | None:
         """When the step in progress ends (None with no running batch)."""
         return self.t_step + self._steps_time(1) if self.batch else None
@@ -174,15 +180,22 @@ class DecodeEngine:
         return self.t_step + self._extra
 
     # ------------------------------------------------------------------ inputs
-    def enqueue(self, req: EngineRequest, now: float) -> list[EngineRequest]:
-        """A request whose prompt was prefilled elsewhere arrives; returns transfers started.
+    def enqueue(
+        self, req: EngineRequest, now: float, *, prefill_here: bool = False
+    ) -> list[EngineRequest]:
+        """A request arrives; returns the KV transfers started.
 
-        A prompt that can never fit in this instance's KV cache is rejected (vLLM answers 400).
+        Its prompt was prefilled elsewhere and its KV is pulled once it is admitted, or, with
+        `prefill_here` (the P/D decider's local path), this instance prefills it in the step it
+        joins, exactly as it recomputes a preempted sequence. A prompt that can never fit in this
+        instance's KV cache is rejected (vLLM answers 400).
         """
         if req.prompt_tokens + 1 > self.capacity:
             req.rejected = True
             self.rejected.append(req)
             return []
+        if prefill_here:
+            req.recompute = True
         self.waiting.append(req)
         return self._admit(now)
 

@@ -34,6 +34,11 @@ class EngineRequest:
     generated: int = 0  # tokens already produced before a preemption
     recompute: bool = False
     rejected: bool = False  # an engine refused it (prompt longer than it can ever hold)
+    key: str = ""  # the request id a router knows it by (str(index) unless set)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = str(self.index)
 
     @property
     def ttft(self) -> float:

@@ -243,6 +243,9 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "predictor": r.predictor,
         "scrape_interval_s": r.scrape_interval_s,
         "max_inflight": r.max_inflight,
+        "decode_binding": r.decode_binding,
+        "pd_decider": r.pd_decider,
+        "local_prefill_below": r.local_prefill_below,
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,

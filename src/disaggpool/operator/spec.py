@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import POLICY_NAMES
+from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, Section
@@ -156,6 +156,9 @@ class RouterSpec:
     predictor: str = "online"
     scrape_interval_s: float = 1.0
     max_inflight: int = 512
+    decode_binding: str = "arrival"
+    pd_decider: bool = False
+    local_prefill_below: int = 0
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -366,8 +369,15 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         predictor=rt.string("predictor", "online"),
         scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
         max_inflight=rt.integer("maxInflight", 512, minimum=1),
+        decode_binding=rt.string("decodeBinding", "arrival"),
+        pd_decider=rt.boolean("pdDecider", False),
+        local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         resources=rt.section("resources").data,
     )
+    if router.decode_binding not in ("arrival", "late"):
+        rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
+    if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
+        rt.problem("pdDecider", f"needs a calibrated policy, not {router.policy!r}")
     if router.policy not in ROUTER_POLICIES:
         rt.problem(
             "policy", f"unknown policy {router.policy!r}; valid: {', '.join(ROUTER_POLICIES)}"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from disaggpool.core.contracts import Role, SLOClass
-from disaggpool.core.policies.registry import POLICY_NAMES
+from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES, PolicyOptions
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import FieldReader, read_slo_classes
@@ -84,6 +84,8 @@ class SidecarConfig:
     members_kubernetes: KubernetesSource | None = None
     profiles_dir: str = ""
     profiles_kubernetes: KubernetesSource | None = None
+    decode_binding: Literal["arrival", "late"] = "arrival"
+    options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
     def scrape_timeout(self) -> float:
@@ -119,6 +121,9 @@ _TOP = {
     "tokenizer",
     "pool",
     "profiles",
+    "decode_binding",
+    "pd_decider",
+    "local_prefill_below",
 }
 
 
@@ -169,6 +174,18 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
     kwargs.update(_pool(rd, top.get("pool"), base))
     kwargs.update(_profiles(rd, top.get("profiles", {}), base))
+    binding = top.get("decode_binding", "arrival")
+    if binding not in ("arrival", "late"):
+        raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
+    kwargs["decode_binding"] = binding
+    pd_decider = rd.boolean(top.get("pd_decider", False), "pd_decider")
+    if pd_decider and policy not in CALIBRATED_FAMILY:
+        raise rd.fail("pd_decider", f"prices in seconds: needs a calibrated policy, not {policy!r}")
+    below = top.get("local_prefill_below", 0)
+    kwargs["options"] = PolicyOptions(
+        pd_decider=pd_decider,
+        local_prefill_below=rd.integer(below, "local_prefill_below", minimum=0) if below else 0,
+    )
     return SidecarConfig(
         policy=policy,
         model=rd.string(top.get("model"), "model"),

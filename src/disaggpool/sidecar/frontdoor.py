@@ -223,8 +223,13 @@ class FrontDoor:
             routed = self.service.route(request_id, tokens, slo, max_tokens=max_tokens)
         except ServiceError as exc:
             return self._refused(exc)
+        if routed.prefill is None:  # the P/D decider's local path: the decode pod prefills
+            body.pop("kv_transfer_params", None)
+            return await self._decode(request, endpoint, body, routed, started)
         try:
             params, routed = await self._prefill(request, endpoint, body, routed)
+            if routed.decode is None:  # late binding: the decode pod is chosen now
+                routed = self.service.bind_decode(routed.request_id)
         except _UpstreamFailed as exc:
             self.service.failed(request_id, str(exc))
             if exc.status is not None and 400 <= exc.status <= 451:
@@ -232,7 +237,8 @@ class FrontDoor:
                     status=exc.status, body=exc.body, content_type="application/json"
                 )
             return openai_error(502, f"prefill failed: {exc}")
-        except ServiceError as exc:  # re-routing found no other prefill pod
+        except ServiceError as exc:  # no other prefill pod to retry on, or no decode pod
+            self.service.failed(request_id, str(exc))
             return self._refused(exc)
         except BaseException:
             self.service.failed(request_id, "client disconnected during prefill")
@@ -269,6 +275,7 @@ class FrontDoor:
         tried: list[str] = []
         while True:
             pod = routed.prefill
+            assert pod is not None, "a local-path request has no prefill leg"
             try:
                 async with self.session.post(f"{pod.url}{path}", json=leg, headers=headers) as r:
                     raw = await r.read()
@@ -303,6 +310,7 @@ class FrontDoor:
         started: float,
     ) -> web.StreamResponse:
         rid, pod = routed.request_id, routed.decode
+        assert pod is not None, "the decode pod is bound before the decode leg"
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         stream = bool(body.get("stream"))
         response: web.StreamResponse | None = None

@@ -27,6 +27,7 @@ from disaggpool.sidecar.service import (
     Duplicate,
     NoCapacity,
     Overloaded,
+    Routed,
     RoutingService,
     ServiceError,
 )
@@ -110,24 +111,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_text: {exc}")
             raise AssertionError("unreachable: abort raises") from exc
-        d = routed.decision
-        resp = pb.RouteResponse(
-            request_id=routed.request_id,
-            prefill=pb.Endpoint(name=routed.prefill.name, url=routed.prefill.url),
-            decode=pb.Endpoint(name=routed.decode.name, url=routed.decode.url),
-            policy=d.policy,
-            slo_class=routed.slo.name,
-            predicted_output_tokens=routed.predicted_output_tokens,
-            guarded=d.guarded,
-            fallback=d.fallback or "",
-        )
-        if d.predicted_ttft_s is not None and math.isfinite(d.predicted_ttft_s):
-            resp.predicted_ttft_s = d.predicted_ttft_s
-        if d.predicted_tpot_s is not None and math.isfinite(d.predicted_tpot_s):
-            resp.predicted_tpot_s = d.predicted_tpot_s
-        if d.slo_feasible is not None:
-            resp.slo_feasible = d.slo_feasible
-        return resp
+        return _response(routed)
+
+    async def BindDecode(
+        self, request: pb.BindDecodeRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.RouteResponse:
+        try:
+            routed = self.service.bind_decode(request.request_id)
+        except ServiceError as exc:
+            await self._abort(context, exc)
+            raise AssertionError("unreachable: abort raises") from exc
+        return _response(routed)
 
     async def Report(
         self, request: pb.ReportRequest, context: grpc.aio.ServicerContext[object, object]
@@ -201,6 +195,30 @@ class RouterServicer(pb_grpc.RouterServicer):
         return out
 
 
+def _response(routed: Routed) -> pb.RouteResponse:
+    """The wire form of a decision; a pod left out is an endpoint left unset (see the proto)."""
+    d = routed.decision
+    resp = pb.RouteResponse(
+        request_id=routed.request_id,
+        policy=d.policy,
+        slo_class=routed.slo.name,
+        predicted_output_tokens=routed.predicted_output_tokens,
+        guarded=d.guarded,
+        fallback=d.fallback or "",
+    )
+    if routed.prefill is not None:
+        resp.prefill.CopyFrom(pb.Endpoint(name=routed.prefill.name, url=routed.prefill.url))
+    if routed.decode is not None:
+        resp.decode.CopyFrom(pb.Endpoint(name=routed.decode.name, url=routed.decode.url))
+    if d.predicted_ttft_s is not None and math.isfinite(d.predicted_ttft_s):
+        resp.predicted_ttft_s = d.predicted_ttft_s
+    if d.predicted_tpot_s is not None and math.isfinite(d.predicted_tpot_s):
+        resp.predicted_tpot_s = d.predicted_tpot_s
+    if d.slo_feasible is not None:
+        resp.slo_feasible = d.slo_feasible
+    return resp
+
+
 def health_status(service: RoutingService) -> int:
     ok = all(service.healthy_pods().values())
     codes = health_pb2.HealthCheckResponse
@@ -214,6 +232,7 @@ def add_router(
     servicer = RouterServicer(service, counter)
     methods: dict[str, tuple[Handler, type[Message]]] = {
         "Route": (servicer.Route, pb.RouteRequest),
+        "BindDecode": (servicer.BindDecode, pb.BindDecodeRequest),
         "Report": (servicer.Report, pb.ReportRequest),
         "GetPoolSnapshot": (servicer.GetPoolSnapshot, pb.GetPoolSnapshotRequest),
     }

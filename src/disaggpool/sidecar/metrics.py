@@ -5,6 +5,8 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
 * `disaggpool_route_decisions_total{policy,role,pod}`: every decision, once per role, so a
   dashboard shows how the work splits over pods;
 * `disaggpool_route_decision_seconds`: time spent in the policy (histogram);
+* `disaggpool_local_prefills_total{pod}`: requests the P/D decider sent to a decode pod to
+  prefill itself (no prefill leg);
 * `disaggpool_route_fallbacks_total{reason}`: decisions made without a trusted profile for
   every pod (``median-profile``: a pod scored with the median trusted profile;
   ``least-loaded``: none trusted, in-flight counts used);
@@ -74,11 +76,13 @@ class _PodCollector(Collector):
             "disaggpool_profile_info", "the pod's calibration profile (value 1)",
             labels=["pod", "profile", "quality"],
         )  # fmt: skip
+        accounts = self.state.ledger.accounts
         for inst in self.state.instances.values():
             if inst.removed:
                 continue
             healthy.add_metric([inst.name, inst.role], 1.0 if inst.healthy else 0.0)
-            inflight.add_metric([inst.name, inst.role], float(inst.inflight))
+            acc = accounts.get(inst.name)
+            inflight.add_metric([inst.name, inst.role], float(acc.inflight if acc else 0))
             p = inst.profile
             trusted.add_metric([inst.name], 1.0 if p is not None and p.trusted else 0.0)
             if p is not None:
@@ -100,6 +104,10 @@ class SidecarMetrics:
         self.decision_seconds = Histogram(
             "disaggpool_route_decision_seconds", "time spent in the routing policy",
             buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.local_prefills = Counter(
+            "disaggpool_local_prefills", "requests a decode pod prefilled itself (no prefill leg)",
+            ["pod"], registry=r,
         )  # fmt: skip
         self.fallbacks = Counter(
             "disaggpool_route_fallbacks", "decisions made without a trusted profile for every pod",

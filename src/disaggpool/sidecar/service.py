@@ -2,12 +2,14 @@
 
 `route` predicts the output length, snapshots the pool, asks the configured policy (the very
 `core.policies` object the simulator runs) for a (prefill, decode) pair and books the request in
-flight; `prefilled` / `progress` / `finished` / `failed` move it through its life, feed the
-output-length predictor, the goodput and heterogeneity signals and the predicted-vs-observed
-error. Synchronous and loop-confined: no awaits, so a decision is atomic.
+flight; the pair may lack its prefill pod (the P/D decider's local path: the decode pod prefills)
+or, with `decode_binding: late`, its decode pod until the prefill leg returns (`bind_decode`);
+`prefilled` / `progress` / `finished` / `failed` move it through its life, feed the output-length
+predictor, the goodput and heterogeneity signals and the predicted-vs-observed error. Synchronous
+and loop-confined: no awaits, so a decision is atomic.
 
-Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
-400), `Overloaded` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503), `Duplicate`
+Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT / 400),
+`Overloaded` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503), `Duplicate`
 (ALREADY_EXISTS / 409).
 """
 
@@ -21,12 +23,13 @@ from collections.abc import Callable, Collection
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
 from disaggpool.core.heterogeneity import SlidingSpread
+from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
-from disaggpool.sidecar.state import InflightRecord, PoolState
+from disaggpool.sidecar.state import PoolState
 
 __all__ = [
     "BadRequest",
@@ -69,16 +72,21 @@ class Duplicate(ServiceError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Routed:
-    """A decision with the endpoints to call and what it was based on."""
+    """A decision with the endpoints to call and what it was based on.
+
+    `prefill` is None when the decode pod prefills the prompt itself (no prefill leg); `decode`
+    is None until `bind_decode` when the decode pod is bound late.
+    """
 
     request_id: str
-    prefill: Member
-    decode: Member
+    prefill: Member | None
+    decode: Member | None
     decision: RouteDecision
     slo: SLOClass
     predicted_output_tokens: float
     prompt_tokens: int
     max_tokens: int | None = None
+    features: RequestFeatures | None = None
 
 
 class RoutingService:
@@ -96,13 +104,14 @@ class RoutingService:
     ) -> None:
         self.config = config
         self.state = state or PoolState()
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or make_policy(config.policy, options=config.options)
         self.predictor = predictor or make_predictor(config.predictor)
         self.rng = random.Random(seed)
         self.clock = clock
         self.metrics = SidecarMetrics(self.state, clock, config.heterogeneity_window)
         self.spread = SlidingSpread(config.heterogeneity_window)
         self._untrusted_logged: set[str] = set()
+        self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
 
     # ------------------------------------------------------------------ deciding
     def route(
@@ -122,11 +131,11 @@ class RoutingService:
         if slo is None:
             names = ", ".join(c.name for c in self.config.slo_classes)
             raise BadRequest(f"unknown SLO class {slo_class!r}; valid: {names}", "slo_class")
-        if request_id in self.state.records:
+        if self.state.is_inflight(request_id):
             raise Duplicate(f"request id {request_id!r} is already in flight", "request_id")
-        if len(self.state.records) >= self.config.max_inflight:
+        if self.state.inflight >= self.config.max_inflight:
             self.metrics.rejected.labels("overload").inc()
-            raise Overloaded(f"{len(self.state.records)} requests in flight (max_inflight)")
+            raise Overloaded(f"{self.state.inflight} requests in flight (max_inflight)")
         now = self.clock()
         pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
         predicted = pred.mean if not max_tokens else min(pred.mean, float(max_tokens))
@@ -145,20 +154,74 @@ class RoutingService:
             self.metrics.rejected.labels("no_capacity").inc()
             raise NoCapacity(str(exc)) from None
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self._account(decision)
-        p = self.state.instances[decision.prefill]
-        d = self.state.instances[decision.decode]
+        late = self.config.decode_binding == "late" and decision.prefill is not None
+        self._account(decision, bound=not late)
+        p = self.state.instances[decision.prefill] if decision.prefill is not None else None
+        d = None if late else self.state.instances[decision.decode]
         self.state.routed(
-            InflightRecord(request_id, p.name, d.name, prompt_tokens, predicted, slo, routed_at=now)
+            Entry(
+                request_id,
+                p.name if p else None,
+                d.name if d else None,
+                prompt_tokens,
+                predicted,
+                slo,
+                now,
+            )
         )
-        self.metrics.inflight.set(len(self.state.records))
-        return Routed(
-            request_id, p.member, d.member, decision, slo, predicted, prompt_tokens, max_tokens
+        self.metrics.inflight.set(self.state.inflight)
+        routed = Routed(
+            request_id,
+            p.member if p else None,
+            d.member if d else None,
+            decision,
+            slo,
+            predicted,
+            prompt_tokens,
+            max_tokens,
+            features,
         )
+        if late:
+            self._unbound[request_id] = routed
+        return routed
+
+    def bind_decode(self, request_id: str) -> Routed:
+        """Late binding: the prefill leg of `request_id` answered; choose its decode pod now."""
+        routed = self._unbound.pop(request_id, None)
+        entry = self.state.ledger.entries.get(request_id)
+        if routed is None or entry is None:
+            raise BadRequest("is not a routed request awaiting its decode pod", "request_id")
+        assert routed.features is not None and routed.prefill is not None
+        self.state.prefilled(request_id)
+        now = self.clock()
+        started = time.perf_counter()
+        try:
+            decision = self.policy.route_decode(
+                routed.features,
+                self.state.snapshot(now),
+                self.rng,
+                routed.prefill.name,
+                now - entry.routed_at,
+            )
+        except NoCapacityError as exc:
+            self.metrics.rejected.labels("no_capacity").inc()
+            raise NoCapacity(str(exc)) from None
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(decision.policy, "decode", decision.decode).inc()
+        d = self.state.instances[decision.decode]
+        self.state.bind_decode(request_id, d.name)
+        merged = dataclasses.replace(
+            routed.decision,
+            decode=decision.decode,
+            predicted_ttft_s=decision.predicted_ttft_s,
+            predicted_tpot_s=decision.predicted_tpot_s,
+            slo_feasible=decision.slo_feasible,
+        )
+        return dataclasses.replace(routed, decode=d.member, decision=merged)
 
     def reroute(self, routed: Routed, exclude_prefill: Collection[str]) -> Routed:
         """Route a request again (its prefill leg failed), avoiding the pods that failed it."""
-        self.state.finished(routed.request_id)
+        self._forget(routed.request_id)
         return self.route(
             routed.request_id,
             routed.prompt_tokens,
@@ -177,14 +240,20 @@ class RoutingService:
         ]
         return dataclasses.replace(pool, prefill=prefill)
 
-    def _account(self, decision: RouteDecision) -> None:
+    def _account(self, decision: RouteDecision, *, bound: bool = True) -> None:
         m = self.metrics
-        m.decisions.labels(decision.policy, "prefill", decision.prefill).inc()
-        m.decisions.labels(decision.policy, "decode", decision.decode).inc()
+        if decision.prefill is None:
+            m.local_prefills.labels(decision.decode).inc()
+        else:
+            m.decisions.labels(decision.policy, "prefill", decision.prefill).inc()
+        if bound:
+            m.decisions.labels(decision.policy, "decode", decision.decode).inc()
         if decision.fallback is None:
             return
         m.fallbacks.labels(decision.fallback).inc()
         for name in (decision.prefill, decision.decode):
+            if name is None:
+                continue
             inst = self.state.instances[name]
             if (inst.profile is None or not inst.profile.trusted) and (
                 name not in self._untrusted_logged
@@ -199,6 +268,10 @@ class RoutingService:
                     else "least-loaded",
                 )
 
+    def _forget(self, request_id: str) -> Entry | None:
+        self._unbound.pop(request_id, None)
+        return self.state.finished(request_id)
+
     def pod_failed(self, pod: str) -> None:
         """A pod failed a request leg (refused, reset, 5xx): stop routing to it until a scrape
         succeeds again. Adapters report it here rather than touching the pool state."""
@@ -211,7 +284,7 @@ class RoutingService:
     @property
     def inflight(self) -> int:
         """Requests routed and not yet finished or failed."""
-        return len(self.state.records)
+        return self.state.inflight
 
     def profile_changed(self, pod: str) -> None:
         """A pod's profile was (re)loaded: warn again if it is still untrusted."""
@@ -236,10 +309,10 @@ class RoutingService:
         met: bool | None = None,
     ) -> bool:
         """A completed request; `met` overrides judging the SLO on ttft_s/tpot_s."""
-        rec = self.state.finished(request_id)
+        rec = self._forget(request_id)
         if rec is None:
             return False
-        self.metrics.inflight.set(len(self.state.records))
+        self.metrics.inflight.set(self.state.inflight)
         if output_tokens > 0:
             self.predictor.observe(rec.slo.name, rec.prompt_tokens, output_tokens)
         self.spread.add(float(rec.prompt_tokens + output_tokens))
@@ -256,10 +329,10 @@ class RoutingService:
 
     def failed(self, request_id: str, error: str = "", *, aborted: bool = False) -> bool:
         """A request that ended in an error; `aborted` (the client left) stays out of goodput."""
-        rec = self.state.finished(request_id)
+        rec = self._forget(request_id)
         if rec is None:
             return False
-        self.metrics.inflight.set(len(self.state.records))
+        self.metrics.inflight.set(self.state.inflight)
         if aborted:
             self.metrics.requests.labels(rec.slo.name, "aborted").inc()
         else:
@@ -272,8 +345,10 @@ class RoutingService:
         """Forget requests nobody reported on within `inflight_ttl_s` (counted as failed)."""
         gone = self.state.expired(self.clock(), self.config.inflight_ttl_s)
         for rec in gone:
+            self._unbound.pop(rec.request_id, None)
+        for rec in gone:
             self.metrics.outcome(rec.slo.name, "failed")
             log.warning("request %s expired in flight (no report)", rec.request_id)
         if gone:
-            self.metrics.inflight.set(len(self.state.records))
+            self.metrics.inflight.set(self.state.inflight)
         return len(gone)

@@ -1,18 +1,8 @@
-"""The sidecar's live view of its pool: members, scraped gauges, profiles, in-flight accounting.
+"""The sidecar's live view of its pool: members, scraped gauges, health, profiles, and its ledger.
 
-Collectors (`scrape`, `membership`, `profiles`) write into it; the hot path reads a
-`PoolSnapshot` built from it, with the same meaning as the simulator's `sim.router.RouterState`:
-
-* prefill instance: `inflight` = `queued` = requests routed there whose prefill leg has not
-  answered, `queued_tokens` / `queued_sq_tokens` their prompt tokens (and squares);
-* decode instance: `inflight` = routed and not finished; `queued` = not yet decoding (no first
-  token yet), `queued_tokens` their prompt tokens; `remaining_output_tokens` = predicted output
-  of the in-flight requests minus what they generated so far (the front door counts streamed
-  tokens); `tpot_targets` their TPOT targets.
-* `running` / `waiting` are the pod's scraped gauges, raised to the router's own count of
-  requests decoding / queued there when that is higher: a scrape is up to one interval old,
-  while our own accounting is exact for the requests we routed. `kv_tokens_used` is the scraped
-  value plus the prompt tokens routed there since that scrape.
+Collectors (`scrape`, `membership`, `profiles`) write into it; the routing service books requests
+in its `core.ledger.Ledger`, the same ledger the simulator's router keeps; the hot path reads a
+`PoolSnapshot` built by `core.ledger.view` from both (the rule is written down there).
 
 Everything runs on one asyncio loop, so there are no locks: each method is atomic with respect
 to the others. Time is passed in (`now`, monotonic seconds), never read here.
@@ -23,27 +13,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role, SLOClass
+from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
+from disaggpool.core.ledger import Entry, Gauges, Ledger, view
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.sidecar.config import Member
 
-__all__ = ["Gauges", "InflightRecord", "Instance", "PoolState"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Gauges:
-    """What one scrape of a pod's /metrics said."""
-
-    running: int
-    waiting: int
-    kv_usage: float  # fraction of the KV cache in use
-    kv_capacity_tokens: int  # num_gpu_blocks * block_size (0 if not reported)
-    preemptions: float = 0.0
+__all__ = ["Gauges", "Instance", "PoolState"]
 
 
 @dataclasses.dataclass(slots=True)
 class Instance:
-    """One pod and the router's counters for it."""
+    """One pod: what the collectors know of it."""
 
     member: Member
     gauges: Gauges | None = None
@@ -53,14 +33,6 @@ class Instance:
     profile: CalibrationProfile | None = None
     profile_loaded_at: float = -1.0
     removed: bool = False  # gone from membership; kept while requests are still in flight
-    inflight: int = 0
-    queued: int = 0
-    queued_tokens: int = 0
-    queued_sq_tokens: float = 0.0
-    decoding: int = 0
-    predicted_left: float = 0.0
-    tokens_since_scrape: int = 0
-    targets: dict[float, int] = dataclasses.field(default_factory=dict)
     view: InstanceSnapshot | None = None  # cached snapshot; None after any change
 
     @property
@@ -72,28 +44,12 @@ class Instance:
         return self.member.role
 
 
-@dataclasses.dataclass(slots=True)
-class InflightRecord:
-    """A routed request the router has not seen finish."""
-
-    request_id: str
-    prefill: str
-    decode: str
-    prompt_tokens: int
-    predicted_output: float
-    slo: SLOClass
-    routed_at: float
-    prefilled: bool = False
-    decoding: bool = False
-    generated: int = 0
-
-
 class PoolState:
-    """Members by name plus the in-flight records (see the module docstring)."""
+    """Members by name plus the ledger of in-flight requests (see the module docstring)."""
 
     def __init__(self) -> None:
         self.instances: dict[str, Instance] = {}
-        self.records: dict[str, InflightRecord] = {}
+        self.ledger = Ledger()
 
     # ---------------------------------------------------------------- membership and collectors
     def set_members(self, members: Iterable[Member]) -> tuple[list[str], list[str]]:
@@ -114,8 +70,7 @@ class PoolState:
             if name not in wanted and not inst.removed:
                 inst.removed = True
                 removed.append(name)
-                if inst.inflight == 0:
-                    del self.instances[name]
+                self._collect(name)
         return added, removed
 
     def scraped(self, name: str, gauges: Gauges, now: float) -> None:
@@ -124,7 +79,7 @@ class PoolState:
             return
         inst.gauges, inst.scraped_at = gauges, now
         inst.healthy, inst.failures = True, 0
-        inst.tokens_since_scrape = 0
+        self.ledger.scraped(name)
         inst.view = None
 
     def unreachable(self, name: str, failures_to_unhealthy: int = 1) -> None:
@@ -147,97 +102,62 @@ class PoolState:
         return True
 
     # ---------------------------------------------------------------- request lifecycle
-    def routed(self, rec: InflightRecord) -> None:
-        if rec.request_id in self.records:
-            raise KeyError(f"request id {rec.request_id!r} is already in flight")
-        self.records[rec.request_id] = rec
-        p, d = self.instances[rec.prefill], self.instances[rec.decode]
-        n = rec.prompt_tokens
-        p.inflight += 1
-        p.queued += 1
-        p.queued_tokens += n
-        p.queued_sq_tokens += float(n) * n
-        d.inflight += 1
-        d.queued += 1
-        d.queued_tokens += n
-        d.predicted_left += rec.predicted_output
-        d.tokens_since_scrape += n
-        d.targets[rec.slo.tpot_s] = d.targets.get(rec.slo.tpot_s, 0) + 1
-        p.view = d.view = None
+    @property
+    def inflight(self) -> int:
+        return len(self.ledger.entries)
+
+    def is_inflight(self, request_id: str) -> bool:
+        return request_id in self.ledger.entries
+
+    def routed(self, entry: Entry) -> None:
+        self.ledger.routed(entry)
+        self._touched(entry)
+
+    def bind_decode(self, request_id: str, decode: str) -> Entry | None:
+        entry = self.ledger.bind_decode(request_id, decode)
+        self._touched(entry)
+        return entry
 
     def prefilled(self, request_id: str) -> bool:
-        rec = self.records.get(request_id)
-        if rec is None or rec.prefilled:
-            return rec is not None
-        rec.prefilled = True
-        self._release_prefill(rec)
-        return True
+        entry = self.ledger.prefilled(request_id)
+        self._touched(entry)
+        return entry is not None
 
     def progress(self, request_id: str, generated: int) -> bool:
         """`generated` output tokens so far; the first call with > 0 marks it decoding."""
-        rec = self.records.get(request_id)
-        if rec is None:
-            return False
-        if not rec.prefilled:
-            self.prefilled(request_id)
-        d = self.instances[rec.decode]
-        if not rec.decoding and generated > 0:
-            rec.decoding = True
-            d.queued -= 1
-            d.queued_tokens -= rec.prompt_tokens
-            d.decoding += 1
-        step = max(0, generated - rec.generated)
-        d.predicted_left -= min(step, max(0.0, rec.predicted_output - rec.generated))
-        rec.generated = max(rec.generated, generated)
-        d.view = None
-        return True
+        entry = self.ledger.progress(request_id, generated)
+        self._touched(entry)
+        return entry is not None
 
-    def finished(self, request_id: str) -> InflightRecord | None:
-        """Forget a request (finished, failed or expired); returns its record, if known."""
-        rec = self.records.pop(request_id, None)
-        if rec is None:
-            return None
-        if not rec.prefilled:
-            self._release_prefill(rec)
-        d = self.instances[rec.decode]
-        d.inflight -= 1
-        if rec.decoding:
-            d.decoding -= 1
-        else:
-            d.queued -= 1
-            d.queued_tokens -= rec.prompt_tokens
-        d.predicted_left -= max(0.0, rec.predicted_output - rec.generated)
-        if d.inflight == 0:
-            d.predicted_left = 0.0  # no float residue once idle
-        left = d.targets[rec.slo.tpot_s] - 1
-        if left:
-            d.targets[rec.slo.tpot_s] = left
-        else:
-            del d.targets[rec.slo.tpot_s]
-        d.view = None
-        self._collect(d)
-        return rec
+    def finished(self, request_id: str) -> Entry | None:
+        """Forget a request (finished, failed or expired); returns its entry, if known."""
+        entry = self.ledger.finished(request_id)
+        self._touched(entry)
+        return entry
 
-    def expired(self, now: float, ttl: float) -> list[InflightRecord]:
+    def expired(self, now: float, ttl: float) -> list[Entry]:
         """Forget requests routed more than `ttl` seconds ago (a caller that never reported)."""
-        old = [r.request_id for r in self.records.values() if now - r.routed_at > ttl]
-        return [rec for rid in old if (rec := self.finished(rid)) is not None]
+        gone = self.ledger.expired(now, ttl)
+        for entry in gone:
+            self._touched(entry)
+        return gone
 
-    def _release_prefill(self, rec: InflightRecord) -> None:
-        p = self.instances[rec.prefill]
-        n = rec.prompt_tokens
-        p.inflight -= 1
-        p.queued -= 1
-        p.queued_tokens -= n
-        p.queued_sq_tokens -= float(n) * n
-        if p.inflight == 0:
-            p.queued_sq_tokens = 0.0
-        p.view = None
-        self._collect(p)
+    def _touched(self, entry: Entry | None) -> None:
+        if entry is None:
+            return
+        for name in (entry.prefill, entry.decode):
+            if name is None:
+                continue
+            inst = self.instances.get(name)
+            if inst is not None:
+                inst.view = None
+                if inst.removed:
+                    self._collect(name)
 
-    def _collect(self, inst: Instance) -> None:
-        if inst.removed and inst.inflight == 0:
-            self.instances.pop(inst.name, None)
+    def _collect(self, name: str) -> None:
+        if not self.ledger.busy(name):
+            self.instances.pop(name, None)
+            self.ledger.forget(name)
 
     # ---------------------------------------------------------------- the hot path's view
     def members(self, role: Role) -> list[Instance]:
@@ -247,49 +167,19 @@ class PoolState:
         """The pool as the policies see it; unchanged pods reuse their cached view."""
         prefill: list[InstanceSnapshot] = []
         decode: list[InstanceSnapshot] = []
-        for inst in self.instances.values():
+        accounts = self.ledger.accounts
+        for name, inst in self.instances.items():
             if inst.removed:
                 continue
-            view = inst.view
-            if view is None:
-                view = inst.view = _view(inst)
-            (prefill if inst.role == "prefill" else decode).append(view)
+            snap = inst.view
+            if snap is None:
+                snap = inst.view = view(
+                    name,
+                    inst.role,
+                    accounts.get(name),
+                    inst.gauges,
+                    healthy=inst.healthy,
+                    profile=inst.profile,
+                )
+            (prefill if inst.role == "prefill" else decode).append(snap)
         return PoolSnapshot(now=now, prefill=prefill, decode=decode)
-
-
-def _view(inst: Instance) -> InstanceSnapshot:
-    g = inst.gauges
-    kv_used = 0
-    running = waiting = 0
-    if g is not None:
-        running, waiting = g.running, g.waiting
-        kv_used = int(g.kv_usage * g.kv_capacity_tokens)
-    kv_used += inst.tokens_since_scrape
-    if inst.role == "prefill":
-        return InstanceSnapshot(
-            name=inst.name,
-            role="prefill",
-            running=running,
-            waiting=max(waiting, inst.queued),
-            kv_tokens_used=kv_used,
-            inflight=inst.inflight,
-            queued=inst.queued,
-            queued_tokens=inst.queued_tokens,
-            queued_sq_tokens=inst.queued_sq_tokens,
-            healthy=inst.healthy,
-            profile=inst.profile,
-        )
-    return InstanceSnapshot(
-        name=inst.name,
-        role="decode",
-        running=max(running, inst.decoding),
-        waiting=max(waiting, inst.queued),
-        kv_tokens_used=kv_used,
-        inflight=inst.inflight,
-        queued=inst.queued,
-        queued_tokens=inst.queued_tokens,
-        remaining_output_tokens=max(float(inst.decoding), inst.predicted_left),
-        tpot_targets=tuple(sorted(inst.targets.items())),
-        healthy=inst.healthy,
-        profile=inst.profile,
-    )

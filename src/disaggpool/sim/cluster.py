@@ -6,9 +6,12 @@ merged in from the (sorted) trace rather than pushed on the heap. At equal times
 run before arrivals, and wake-ups in instance order, so that the router sees up-to-date state and
 runs are deterministic; a stale wake-up (the engine rescheduled since) is skipped by its version.
 
-Routing uses `sim.router.RouterState`, which builds the same `PoolSnapshot` the sidecar builds and
-calls the same `core.policies` objects; the output-length predictor learns from completions as it
-would in production.
+Routing is done by `sim.router.RouterReplica`s, which keep the sidecar's own ledger
+(`core.ledger`) and build the same `PoolSnapshot` from it, then call the same `core.policies`
+objects. What the router knows is part of the scenario (`RouterOptions`): how stale its scraped
+gauges are, how many independent router replicas share the arrivals, and whether the decode
+instance is chosen at arrival or when the prefill leg returns (late binding, as the sidecar's
+front door can). The output-length predictor learns from completions as it would in production.
 """
 
 from __future__ import annotations
@@ -26,9 +29,31 @@ from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.request import EngineRequest
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim.router import RouterState
+from disaggpool.sim.router import RouterReplica
 
-__all__ = ["InstanceSpec", "SimOutcome", "Simulation"]
+__all__ = ["InstanceSpec", "RouterOptions", "SimOutcome", "Simulation"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouterOptions:
+    """What the routers know and when they decide.
+
+    `scrape_interval_s`: 0 reads every engine at every decision (an omniscient router); a
+    positive value scrapes the engines on that period, as the sidecar does. `replicas`: router
+    replicas, each with its own ledger and policy object, taking arrivals in turn (an even share);
+    their scrapes are spread over the interval. `late_binding`: choose the decode instance when
+    the prefill leg returns, on the state of that moment, instead of at arrival.
+    """
+
+    scrape_interval_s: float = 0.0
+    replicas: int = 1
+    late_binding: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.scrape_interval_s >= 0.0:
+            raise ValueError(f"scrape_interval_s must be >= 0, got {self.scrape_interval_s!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,16 +85,21 @@ class Simulation:
         self,
         instances: Sequence[InstanceSpec],
         *,
-        policy: Policy,
+        policies: Sequence[Policy],
         predictor: OutputPredictor,
         slo_classes: Mapping[str, SLOClass],
         default_class: str,
         seed: int,
         jitter: float = 0.03,
+        router: RouterOptions = RouterOptions(),
     ) -> None:
+        """`policies`: one policy object per router replica (`router.replicas` of them)."""
+        if len(policies) != router.replicas:
+            raise ValueError(f"{router.replicas} router replicas need as many policy objects")
         self.slo_classes = dict(slo_classes)
         self.default_class = default_class
-        self.policy = policy
+        self.policies = list(policies)
+        self.options = router
         self.predictor = predictor
         self.rng = random.Random(seed)  # routing and prediction randomness
         engine_rng = random.Random(seed ^ 0x5EED)
@@ -92,9 +122,21 @@ class Simulation:
         if not self.prefill or not self.decode:
             raise ValueError("a pool needs at least one prefill and one decode instance")
         believed = {s.name: s.believed_profile for s in instances}
-        self.router = RouterState(self.prefill, self.decode, believed)
+        n = router.replicas
+        self.routers = [
+            RouterReplica(
+                self.prefill,
+                self.decode,
+                believed,
+                scrape_interval_s=router.scrape_interval_s,
+                phase_s=router.scrape_interval_s * r / n,
+            )
+            for r in range(n)
+        ]
         self._engines: list[PrefillEngine | DecodeEngine] = [*self.prefill, *self.decode]
         self._index = {e.name: i for i, e in enumerate(self._engines)}
+        self._served = [0] * len(self._engines)
+        self._features: dict[int, RequestFeatures] = {}  # requests awaiting late binding
         self._version = [0] * len(self._engines)
         self._heap: list[tuple[float, int, int]] = []  # (time, engine index, version)
 
@@ -136,44 +178,81 @@ class Simulation:
             requests=reqs,
             rejected=rejected,
             preemptions={e.name: e.preemptions for e in self.decode},
-            served={e.name: self.router.served[self._index[e.name]] for e in self._engines},
+            served={e.name: self._served[i] for i, e in enumerate(self._engines)},
             end_time=max((r.finish for r in done), default=0.0),
             predictor_errors=_errors(self.predictor),
         )
 
     # ------------------------------------------------------------------ events
+    def _router(self, req: EngineRequest) -> RouterReplica:
+        return self.routers[req.index % len(self.routers)]
+
     def _arrive(self, req: EngineRequest, now: float) -> None:
         pred = self.predictor.predict(req.slo_class, req.prompt_tokens, self.rng, req.output_tokens)
         req.predicted_output = pred.mean
+        slo = self.slo_classes[req.slo_class]
         features = RequestFeatures(
             request_id=str(req.index),
             prompt_tokens=req.prompt_tokens,
             predicted_output_tokens=pred.mean,
             output_uncertainty=pred.std,
-            slo=self.slo_classes[req.slo_class],
+            slo=slo,
         )
-        decision = self.policy.route(features, self.router.snapshot(now), self.rng)
+        router = self._router(req)
+        policy = self.policies[req.index % len(self.policies)]
+        decision = policy.route(features, router.snapshot(now), self.rng)
+        if decision.prefill is None:  # the P/D decider's local path: the decode engine prefills
+            req.decode_instance = decision.decode
+            router.routed(req, None, decision.decode, slo, now)
+            d_idx = self._index[decision.decode]
+            started = self.decode[d_idx - len(self.prefill)].enqueue(req, now, prefill_here=True)
+            if req.rejected:
+                router.finished(req)
+                return
+            self._after_decode(d_idx, started, [], [], now)
+            return
         p_idx = self._index[decision.prefill]
-        d_idx = self._index[decision.decode]
         req.prefill_instance = decision.prefill
-        req.decode_instance = decision.decode
-        self.router.routed(req, p_idx, d_idx, features.slo.tpot_s)
+        late = self.options.late_binding
+        if late:
+            self._features[req.index] = features
+        else:
+            req.decode_instance = decision.decode
+        router.routed(req, decision.prefill, None if late else decision.decode, slo, now)
         self._engines[p_idx].enqueue(req, now)
         if req.rejected:  # never admitted: it must not linger in the router's accounting
-            self.router.dropped(req, p_idx, d_idx, features.slo.tpot_s)
+            router.finished(req)
+            self._features.pop(req.index, None)
             return
         self._reschedule(p_idx)
+
+    def _bind_decode(self, req: EngineRequest, now: float) -> int:
+        """Late binding: the prefill leg of `req` returned; choose its decode instance now."""
+        router = self._router(req)
+        features = self._features.pop(req.index)
+        policy = self.policies[req.index % len(self.policies)]
+        decision = policy.route_decode(
+            features, router.snapshot(now), self.rng, req.prefill_instance, now - req.arrival
+        )
+        req.decode_instance = decision.decode
+        router.bind_decode(req, decision.decode)
+        return self._index[decision.decode]
 
     def _wake(self, idx: int, now: float) -> None:
         engine = self._engines[idx]
         if isinstance(engine, PrefillEngine):
             for req in engine.advance(now):
-                self.router.prefilled(req, idx)
-                d_idx = self._index[req.decode_instance]
+                self._served[idx] += 1
+                router = self._router(req)
+                router.prefilled(req)
+                if self.options.late_binding:
+                    d_idx = self._bind_decode(req, now)
+                else:
+                    d_idx = self._index[req.decode_instance]
                 started = self.decode[d_idx - len(self.prefill)].enqueue(req, now)
                 if req.rejected:  # the decode side can never hold it: free its prefill KV too
                     engine.release(req, now)
-                    self.router.dropped(req, None, d_idx, self.slo_classes[req.slo_class].tpot_s)
+                    router.finished(req)
                 self._after_decode(d_idx, started, [], [], now)
             self._reschedule(idx)
         else:
@@ -194,7 +273,8 @@ class Simulation:
             self._engines[p_idx].release(req, now)  # type: ignore[union-attr]
             self._reschedule(p_idx)
         for req in finished:
-            self.router.finished(req, idx, self.slo_classes[req.slo_class].tpot_s)
+            self._served[idx] += 1
+            self._router(req).finished(req)
             self.predictor.observe(req.slo_class, req.prompt_tokens, req.output_tokens)
         self._reschedule(idx)
 

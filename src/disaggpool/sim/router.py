@@ -1,117 +1,132 @@
-"""The simulator's view of the pool as the router sees it: snapshots and in-flight accounting.
+"""One router replica in the simulator: what it knows of the pool, kept as the sidecar keeps it.
 
-It plays the sidecar's part: engine gauges as a fresh scrape would report them (running, waiting,
-KV tokens in use) plus the router's own accounting of what it sent where, and hands the resulting
-`PoolSnapshot` to the very same policy objects the sidecar uses. Called by `sim.cluster` only.
+It plays the sidecar's part with the sidecar's own bookkeeping: a `core.ledger.Ledger` of the
+requests it routed, fed the reports a real router gets (routed, prefill leg answered, tokens
+streamed, finished), plus engine gauges read as a scrape would read them. `scrape_interval_s`
+says how fresh those gauges are: 0 reads the engines at every decision (a router that knows the
+instantaneous state), a positive interval reads them on that period, starting at `phase_s`, so
+between scrapes the replica sees only its own bookkeeping on top of the last scrape. Tokens
+produced are reported at every decision, as a front door counting streamed tokens knows them.
+
+Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
+share of the arrivals and seeing only its own requests in its ledger; the gauges are the only
+thing they share, which is what makes greedy placement herd. Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot
+from disaggpool.core.contracts import PoolSnapshot, SLOClass
+from disaggpool.core.ledger import Entry, Gauges, Ledger, view
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.request import EngineRequest
 
-__all__ = ["RouterState"]
+__all__ = ["RouterReplica"]
 
 
-class RouterState:
-    """Per-instance counters indexed like `prefill + decode` (prefill first)."""
+class RouterReplica:
+    """A router's ledger and last scrape of the pool (see the module docstring)."""
 
     def __init__(
         self,
         prefill: Sequence[PrefillEngine],
         decode: Sequence[DecodeEngine],
         believed: Mapping[str, CalibrationProfile | None],
+        *,
+        scrape_interval_s: float = 0.0,
+        phase_s: float = 0.0,
     ) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
-        n = len(self.prefill) + len(self.decode)
         names = [e.name for e in self.prefill] + [e.name for e in self.decode]
-        self.profiles = [believed.get(name) for name in names]
-        self.inflight = [0] * n
-        self.tokens = [0] * n  # prompt tokens of in-flight requests
-        self.sq_tokens = [0.0] * n  # squared prompt tokens (prefill queue)
-        self.predicted = [0.0] * n  # predicted output tokens of in-flight requests (decode)
-        self.served = [0] * n
-        self.targets: list[dict[float, int]] = [
-            {} for _ in range(n)
-        ]  # decode: TPOT target -> count
+        self.profiles = {name: believed.get(name) for name in names}
+        self.ledger = Ledger()
+        self.scrape_interval_s = scrape_interval_s
+        self._next_scrape = phase_s
+        self._gauges: dict[str, Gauges] = {}
 
-    def routed(self, req: EngineRequest, p: int, d: int, tpot_target: float) -> None:
-        n = req.prompt_tokens
-        self.inflight[p] += 1
-        self.tokens[p] += n
-        self.sq_tokens[p] += n * n
-        self.inflight[d] += 1
-        self.tokens[d] += n
-        self.predicted[d] += req.predicted_output
-        self.targets[d][tpot_target] = self.targets[d].get(tpot_target, 0) + 1
+    # ---------------------------------------------------------------- reports
+    def routed(
+        self,
+        req: EngineRequest,
+        prefill: str | None,
+        decode: str | None,
+        slo: SLOClass,
+        now: float,
+    ) -> None:
+        entry = Entry(req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now)
+        self.ledger.routed(entry)
 
-    def prefilled(self, req: EngineRequest, p: int) -> None:
-        n = req.prompt_tokens
-        self.inflight[p] -= 1
-        self.tokens[p] -= n
-        self.sq_tokens[p] -= n * n
-        self.served[p] += 1
+    def bind_decode(self, req: EngineRequest, decode: str) -> None:
+        self.ledger.bind_decode(req.key, decode)
 
-    def dropped(self, req: EngineRequest, p: int | None, d: int, tpot_target: float) -> None:
-        """An engine refused the request: forget it (p is None when prefill already finished)."""
-        if p is not None:
-            self.prefilled(req, p)
-            self.served[p] -= 1
-        self.finished(req, d, tpot_target)
-        self.served[d] -= 1
+    def prefilled(self, req: EngineRequest) -> None:
+        self.ledger.prefilled(req.key)
 
-    def finished(self, req: EngineRequest, d: int, tpot_target: float) -> None:
-        self.inflight[d] -= 1
-        self.tokens[d] -= req.prompt_tokens
-        self.predicted[d] -= req.predicted_output
-        self.served[d] += 1
-        left = self.targets[d][tpot_target] - 1
-        if left:
-            self.targets[d][tpot_target] = left
-        else:
-            del self.targets[d][tpot_target]
+    def finished(self, req: EngineRequest) -> None:
+        """Finished, or refused by an engine: either way the router forgets it."""
+        self.ledger.finished(req.key)
+
+    def scraped(self, name: str, gauges: Gauges, now: float) -> None:
+        """A scrape of engine `name` at `now` (what the sidecar's collector does)."""
+        self._gauges[name] = gauges
+        self.ledger.scraped(name)
+
+    def progress(self, req: EngineRequest, produced: int) -> None:
+        """`produced` output tokens of `req` reached its client (what the front door counts)."""
+        self.ledger.progress(req.key, produced)
+
+    # ---------------------------------------------------------------- the view
+    def _scrape(self, now: float) -> None:
+        for p in self.prefill:
+            cap = p.profile.kv_capacity_tokens
+            self.scraped(p.name, Gauges(p.num_running, p.num_waiting, p.kv_used / cap, cap), now)
+        for d in self.decode:
+            cap = d.profile.kv_capacity_tokens
+            kv_used, _ = d.observe(now)
+            self.scraped(d.name, Gauges(d.num_running, d.num_waiting, kv_used / cap, cap), now)
 
     def snapshot(self, now: float) -> PoolSnapshot:
-        prefill = [
-            InstanceSnapshot(
-                name=e.name,
-                role="prefill",
-                running=e.num_running,
-                waiting=e.num_waiting,
-                kv_tokens_used=e.kv_used,
-                inflight=self.inflight[i],
-                queued=self.inflight[i],
-                queued_tokens=self.tokens[i],
-                queued_sq_tokens=self.sq_tokens[i],
-                profile=self.profiles[i],
-            )
-            for i, e in enumerate(self.prefill)
-        ]
-        base = len(self.prefill)
-        decode = []
-        for j, e in enumerate(self.decode):
-            i = base + j
-            running = e.num_running
-            kv_used, generated = e.observe(now)
-            decode.append(
-                InstanceSnapshot(
-                    name=e.name,
-                    role="decode",
-                    running=running,
-                    waiting=e.num_waiting,
-                    kv_tokens_used=kv_used,
-                    inflight=self.inflight[i],
-                    queued=self.inflight[i] - running,
-                    queued_tokens=self.tokens[i] - e.running_prompt_tokens,
-                    remaining_output_tokens=max(float(running), self.predicted[i] - generated),
-                    tpot_targets=tuple(sorted(self.targets[i].items())),
-                    profile=self.profiles[i],
+        """Bring the ledger up to `now` (a scrape when one is due, the tokens streamed so far),
+        then the pool as the policy sees it."""
+        if self.scrape_interval_s <= 0.0:
+            self._scrape(now)
+        elif now >= self._next_scrape:
+            self._scrape(now)
+            missed = int((now - self._next_scrape) / self.scrape_interval_s)
+            self._next_scrape += (missed + 1) * self.scrape_interval_s
+        entries = self.ledger.entries
+        for d in self.decode:
+            for req, produced in d.produced_by(now):
+                entry = entries.get(req.key)
+                if entry is not None and produced > entry.generated:
+                    self.progress(req, produced)
+        accounts = self.ledger.accounts
+        gauges = self._gauges
+        profiles = self.profiles
+        return PoolSnapshot(
+            now=now,
+            prefill=[
+                view(
+                    e.name,
+                    "prefill",
+                    accounts.get(e.name),
+                    gauges.get(e.name),
+                    profile=profiles[e.name],
                 )
-            )
-        return PoolSnapshot(now=now, prefill=prefill, decode=decode)
+                for e in self.prefill
+            ],
+            decode=[
+                view(
+                    e.name,
+                    "decode",
+                    accounts.get(e.name),
+                    gauges.get(e.name),
+                    profile=profiles[e.name],
+                )
+                for e in self.decode
+            ],
+        )

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.policies.registry import PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim.cluster import InstanceSpec, Simulation
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
 
 __all__ = ["RunSpec", "execute", "run_all"]
@@ -40,6 +40,9 @@ class RunSpec:
     predictor: str = "online"
     history: tuple[TraceRequest, ...] = ()
     jitter: float = 0.03
+    router: RouterOptions = dataclasses.field(default_factory=RouterOptions)
+    options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
+    label: str = ""  # the row's name for this policy and options (default: the policy's name)
     extra: tuple[tuple[str, Any], ...] = ()
 
 
@@ -50,34 +53,41 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     datasheet = None
     if spec.datasheet is not None:
         datasheet = {i.name: spec.datasheet for i in spec.instances}
-    policy = make_policy(spec.policy, datasheet=datasheet)
+    policies = [
+        make_policy(spec.policy, datasheet=datasheet, options=spec.options)
+        for _ in range(spec.router.replicas)
+    ]
     predictor = make_predictor(spec.predictor)
     for r in spec.history:  # the history a running router would already have learned from
         predictor.observe(r.slo_class or default, r.prompt_tokens, r.output_tokens)
     sim = Simulation(
         spec.instances,
-        policy=policy,
+        policies=policies,
         predictor=predictor,
         slo_classes=classes,
         default_class=default,
         seed=spec.seed,
         jitter=spec.jitter,
+        router=spec.router,
     )
     outcome = sim.run(spec.trace)
     summary = summarize(outcome, classes)
     n_prefill = sum(1 for i in spec.instances if i.role == "prefill")
     row: dict[str, Any] = {
         "trace": spec.trace_name,
-        "policy": spec.policy,
+        "policy": spec.label or spec.policy,
         "seed": spec.seed,
         **dict(spec.extra),
         "goodput": summary["goodput"],
+        "misses": summary["misses"],
         "ttft_p99_s": summary["ttft_p99_s"],
         "tpot_p99_s": summary["tpot_p99_s"],
         "requests": summary["requests"],
         "prefill_instances": n_prefill,
         "decode_instances": len(spec.instances) - n_prefill,
         "predictor": spec.predictor,
+        "options": dataclasses.asdict(spec.options),
+        "router": dataclasses.asdict(spec.router),
         "summary": summary,
         "predictor_errors": {k: round(v, 4) for k, v in sorted(outcome.predictor_errors.items())},
     }

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import POLICY_NAMES
+from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES, PolicyOptions
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
@@ -25,7 +25,7 @@ from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml, resolve_profile
 from disaggpool.formats.traces import TraceRequest, read_trace
 from disaggpool.sim import workload
-from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.runner import RunSpec
 
 __all__ = ["Scenario", "load_scenario"]
@@ -42,6 +42,12 @@ class Scenario:
     datasheet: CalibrationProfile | None
     jitter: float
     name: str
+    router: RouterOptions = dataclasses.field(default_factory=RouterOptions)
+    options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
+
+    def _blind_options(self) -> PolicyOptions:
+        """The switches that apply to a policy without a cost model (no `pd_decider`)."""
+        return dataclasses.replace(self.options, pd_decider=False)
 
     def specs(self) -> list[RunSpec]:
         return [
@@ -56,6 +62,8 @@ class Scenario:
                 datasheet=self.datasheet,
                 predictor=self.predictor,
                 jitter=self.jitter,
+                router=self.router,
+                options=self.options if policy in CALIBRATED_FAMILY else self._blind_options(),
             )
             for seed in self.seeds
             for policy in self.policies
@@ -86,6 +94,7 @@ def load_scenario(path: str | Path) -> Scenario:
             "seeds",
             "predictor",
             "jitter",
+            "router",
         },
     )
     base = path.parent
@@ -114,7 +123,10 @@ def load_scenario(path: str | Path) -> Scenario:
         raise rd.fail("predictor", f"{predictor!r}: {exc.message}") from None
     except (KeyError, ValueError) as exc:
         raise rd.fail("predictor", str(exc).strip("'\"")) from None
+    router, options = _router(rd, doc.get("router", {}))
     return Scenario(
+        router=router,
+        options=options,
         instances=instances,
         trace=tuple(trace),
         slo_classes=slo,
@@ -124,6 +136,36 @@ def load_scenario(path: str | Path) -> Scenario:
         datasheet=datasheet,
         jitter=rd.number(doc.get("jitter", 0.03), "jitter"),
         name=str(doc.get("name", path.stem)),
+    )
+
+
+def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
+    """The `router:` block: what the router knows and the switches on its policies (the same
+    switches as the sidecar's config; see SCENARIOS.md)."""
+    r = rd.mapping(raw, "router")
+    rd.known(
+        r,
+        "router",
+        {"scrape_interval_s", "replicas", "decode_binding", "pd_decider", "local_prefill_below"},
+    )
+    binding = r.get("decode_binding", "arrival")
+    if binding not in ("arrival", "late"):
+        raise rd.fail("router.decode_binding", f"must be arrival or late, got {binding!r}")
+    below = r.get("local_prefill_below", 0)
+    return (
+        RouterOptions(
+            scrape_interval_s=rd.number(
+                r.get("scrape_interval_s", 0.0), "router.scrape_interval_s"
+            ),
+            replicas=rd.integer(r.get("replicas", 1), "router.replicas"),
+            late_binding=binding == "late",
+        ),
+        PolicyOptions(
+            pd_decider=rd.boolean(r.get("pd_decider", False), "router.pd_decider"),
+            local_prefill_below=(
+                rd.integer(below, "router.local_prefill_below", minimum=0) if below else 0
+            ),
+        ),
     )
 
 

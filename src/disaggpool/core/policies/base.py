@@ -15,7 +15,7 @@ from typing import Protocol
 from disaggpool.core import costmodel
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
 
-__all__ = ["NoCapacityError", "Policy", "healthy", "with_predictions"]
+__all__ = ["NoCapacityError", "Policy", "find", "healthy", "with_predictions"]
 
 
 class NoCapacityError(RuntimeError):
@@ -23,12 +23,27 @@ class NoCapacityError(RuntimeError):
 
 
 class Policy(Protocol):
-    """Chooses a prefill and a decode instance for one request."""
+    """Chooses a prefill and a decode instance for one request.
+
+    `route` chooses both when the request arrives. `route_decode` chooses the decode instance
+    alone for a request whose prefill leg on `prefill` has returned (late binding), on the state
+    of that moment; `elapsed_s` is the time since the request arrived, which its TTFT already
+    carries.
+    """
 
     name: str
 
     def route(
         self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random
+    ) -> RouteDecision: ...
+
+    def route_decode(
+        self,
+        req: RequestFeatures,
+        pool: PoolSnapshot,
+        rng: random.Random,
+        prefill: str,
+        elapsed_s: float,
     ) -> RouteDecision: ...
 
 
@@ -40,17 +55,30 @@ def healthy(instances: Sequence[InstanceSnapshot], role: str) -> Sequence[Instan
     return ok
 
 
+def find(instances: Sequence[InstanceSnapshot], name: str) -> InstanceSnapshot:
+    """The instance called `name` (a late-bound request's prefill instance)."""
+    for inst in instances:
+        if inst.name == name:
+            return inst
+    raise NoCapacityError(f"instance {name!r} is not in the pool any more")
+
+
 def with_predictions(
-    policy: str, req: RequestFeatures, p: InstanceSnapshot, d: InstanceSnapshot
+    policy: str,
+    req: RequestFeatures,
+    p: InstanceSnapshot,
+    d: InstanceSnapshot,
+    elapsed_s: float | None = None,
 ) -> RouteDecision:
     """A decision for a chosen pair, with the cost model's predictions when profiles are known.
 
     Baselines do not use predictions to choose, but reporting them lets the sidecar compare
-    predicted and observed latency whatever policy runs.
+    predicted and observed latency whatever policy runs. `elapsed_s` (late binding): the prefill
+    is done, `elapsed_s` after arrival.
     """
     if p.profile is None or d.profile is None:
         return RouteDecision(prefill=p.name, decode=d.name, policy=policy)
-    ready = costmodel.prefill_ready_time(req, p, p.profile)
+    ready = costmodel.prefill_ready_time(req, p, p.profile) if elapsed_s is None else elapsed_s
     est = costmodel.decode_estimate(req, d, d.profile, ready)
     return RouteDecision(
         prefill=p.name,

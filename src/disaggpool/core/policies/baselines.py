@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
-from disaggpool.core.policies.base import healthy, with_predictions
+from disaggpool.core.policies.base import find, healthy, with_predictions
 
 __all__ = ["LeastLoaded", "LengthHeuristic", "PowerOfTwo", "RandomChoice", "RoundRobin"]
 
@@ -29,70 +29,94 @@ def argmin(instances: Sequence[InstanceSnapshot], key: Key, rng: random.Random) 
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-class RoundRobin:
+class _Baseline:
+    """Independent prefill and decode choices; subclasses say how to pick one instance."""
+
+    name = ""
+
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        raise NotImplementedError
+
+    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
+        p = self._pick(healthy(pool.prefill, "prefill"), "prefill", rng)
+        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
+        return with_predictions(self.name, req, p, d)
+
+    def route_decode(
+        self,
+        req: RequestFeatures,
+        pool: PoolSnapshot,
+        rng: random.Random,
+        prefill: str,
+        elapsed_s: float,
+    ) -> RouteDecision:
+        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
+        return with_predictions(self.name, req, find(pool.prefill, prefill), d, elapsed_s)
+
+
+class RoundRobin(_Baseline):
     name = "round_robin"
 
     def __init__(self) -> None:
         self._next = {"prefill": 0, "decode": 0}
 
-    def _pick(self, instances: Sequence[InstanceSnapshot], role: str) -> InstanceSnapshot:
-        ok = healthy(instances, role)
-        i = self._next[role] % len(ok)
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        i = self._next[role] % len(instances)
         self._next[role] = i + 1
-        return ok[i]
-
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        return with_predictions(
-            self.name, req, self._pick(pool.prefill, "prefill"), self._pick(pool.decode, "decode")
-        )
+        return instances[i]
 
 
-class RandomChoice:
+class RandomChoice(_Baseline):
     name = "random"
 
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        p = rng.choice(healthy(pool.prefill, "prefill"))
-        d = rng.choice(healthy(pool.decode, "decode"))
-        return with_predictions(self.name, req, p, d)
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        return rng.choice(instances)
 
 
-class LeastLoaded:
+def _load(i: InstanceSnapshot) -> float:
+    return float(max(i.inflight, i.running + i.waiting))
+
+
+class LeastLoaded(_Baseline):
     name = "least_loaded"
 
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        def key(i: InstanceSnapshot) -> float:
-            return float(max(i.inflight, i.running + i.waiting))
-
-        p = argmin(healthy(pool.prefill, "prefill"), key, rng)
-        d = argmin(healthy(pool.decode, "decode"), key, rng)
-        return with_predictions(self.name, req, p, d)
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        return argmin(instances, _load, rng)
 
 
-class LengthHeuristic:
+def _outstanding_prompt(i: InstanceSnapshot) -> float:
+    return float(i.queued_tokens)
+
+
+def _outstanding_output(i: InstanceSnapshot) -> float:
+    return i.remaining_output_tokens
+
+
+class LengthHeuristic(_Baseline):
     name = "length"
 
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        p = argmin(healthy(pool.prefill, "prefill"), lambda i: float(i.queued_tokens), rng)
-        d = argmin(healthy(pool.decode, "decode"), lambda i: i.remaining_output_tokens, rng)
-        return with_predictions(self.name, req, p, d)
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        key = _outstanding_prompt if role == "prefill" else _outstanding_output
+        return argmin(instances, key, rng)
 
 
-class PowerOfTwo:
+class PowerOfTwo(_Baseline):
     name = "p2c"
 
     def _pick(
         self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
     ) -> InstanceSnapshot:
-        ok = healthy(instances, role)
-        if len(ok) == 1:
-            return ok[0]
-        a, b = rng.sample(list(ok), 2)
+        if len(instances) == 1:
+            return instances[0]
+        a, b = rng.sample(list(instances), 2)
         return a if a.inflight <= b.inflight else b
-
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        return with_predictions(
-            self.name,
-            req,
-            self._pick(pool.prefill, "prefill", rng),
-            self._pick(pool.decode, "decode", rng),
-        )

@@ -38,7 +38,13 @@ import random
 from collections.abc import Mapping, Sequence
 
 from disaggpool.core import costmodel
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
+from disaggpool.core.contracts import (
+    InstanceSnapshot,
+    PoolSnapshot,
+    RequestFeatures,
+    RouteDecision,
+    SLOClass,
+)
 from disaggpool.core.policies.base import healthy
 from disaggpool.core.policies.baselines import LeastLoaded
 from disaggpool.core.profile import CalibrationProfile
@@ -48,6 +54,12 @@ __all__ = ["CalibratedPolicy"]
 #: Reference batch for the throughput weight of the guard: 32 sequences of 1024 context tokens.
 _REF_SEQS = 32
 _REF_CONTEXT = 32 * 1024
+
+
+def _violations(est: costmodel.DecodeEstimate, slo: SLOClass) -> float:
+    """SLO violations a placement causes: the request's own miss plus those it pushes over."""
+    own_miss = 0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1
+    return float(est.slo_harm + own_miss)
 
 
 def _median_profile(instances: Sequence[InstanceSnapshot]) -> CalibrationProfile | None:
@@ -67,25 +79,32 @@ class CalibratedPolicy:
         *,
         guard_slack: float | None = 0.5,
         profiles: Mapping[str, CalibrationProfile] | None = None,
+        pd_decider: bool = False,
     ) -> None:
         self.name = name
         self.guard_slack = guard_slack
+        self.pd_decider = pd_decider
         self._override = profiles
         self._fallback = LeastLoaded()
 
     def _profiles(
         self, instances: Sequence[InstanceSnapshot]
-    ) -> tuple[list[CalibrationProfile | None], bool]:
-        """Per-instance profile to score with, and whether any fallback was used."""
+    ) -> tuple[list[CalibrationProfile] | None, bool]:
+        """Per-instance profile to score with (None when some instance has none at all), and
+        whether the pool's median trusted profile stood in for any."""
         if self._override is not None:
             got = [self._override.get(i.name) for i in instances]
-            return got, any(p is None for p in got)
+            complete = [p for p in got if p is not None]
+            return (complete if len(complete) == len(got) else None), False
         got = [
             i.profile if i.profile is not None and i.profile.trusted else None for i in instances
         ]
-        if all(p is not None for p in got):
-            return got, False
+        complete = [p for p in got if p is not None]
+        if len(complete) == len(got):
+            return complete, False
         median = _median_profile(instances)
+        if median is None:
+            return None, True
         return [p if p is not None else median for p in got], True
 
     def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
@@ -93,7 +112,7 @@ class CalibratedPolicy:
         decodes = healthy(pool.decode, "decode")
         p_profiles, p_fallback = self._profiles(prefills)
         d_profiles, d_fallback = self._profiles(decodes)
-        if any(p is None for p in p_profiles) or any(p is None for p in d_profiles):
+        if p_profiles is None or d_profiles is None:
             d = self._fallback.route(req, pool, rng)
             return RouteDecision(d.prefill, d.decode, self.name, fallback="least-loaded")
 
@@ -101,14 +120,54 @@ class CalibratedPolicy:
         best_p = 0
         best_ready = math.inf
         for idx, inst in enumerate(prefills):
-            ready = costmodel.prefill_ready_time(req, inst, p_profiles[idx])  # type: ignore[arg-type]
+            ready = costmodel.prefill_ready_time(req, inst, p_profiles[idx])
             if ready < best_ready:
                 best_p, best_ready = idx, ready
+        return self._decode(
+            req,
+            prefills[best_p].name,
+            best_ready,
+            decodes,
+            d_profiles,
+            p_fallback or d_fallback,
+            local_ok=self.pd_decider,
+        )
 
-        # 2. Decode: fewest expected SLO violations (r's own, plus the in-flight requests whose
-        #    TPOT target r's extra step time would break), then least additional completion time;
-        #    only among instances the bounded-load guard allows.
-        allowed = self._allowed(decodes, d_profiles)  # type: ignore[arg-type]
+    def route_decode(
+        self,
+        req: RequestFeatures,
+        pool: PoolSnapshot,
+        rng: random.Random,
+        prefill: str,
+        elapsed_s: float,
+    ) -> RouteDecision:
+        decodes = healthy(pool.decode, "decode")
+        d_profiles, d_fallback = self._profiles(decodes)
+        if d_profiles is None:
+            d = self._fallback.route_decode(req, pool, rng, prefill, elapsed_s)
+            return RouteDecision(prefill, d.decode, self.name, fallback="least-loaded")
+        return self._decode(req, prefill, elapsed_s, decodes, d_profiles, d_fallback)
+
+    def _decode(
+        self,
+        req: RequestFeatures,
+        prefill: str,
+        ready_s: float,
+        decodes: Sequence[InstanceSnapshot],
+        d_profiles: Sequence[CalibrationProfile],
+        fallback: bool,
+        *,
+        local_ok: bool = False,
+    ) -> RouteDecision:
+        """2. Decode: fewest expected SLO violations (the request's own, plus the in-flight
+        requests whose TPOT target its extra step time would break), then least additional
+        completion time; only among instances the bounded-load guard allows.
+
+        With `local_ok` (the P/D decider), each decode instance is also priced prefilling the
+        prompt itself; the local path wins only when it causes fewer SLO violations than the
+        best two-leg placement. It spends decode capacity that later arrivals may need, which
+        no estimate of this request's own cost sees, so it is kept for saving an SLO."""
+        allowed = self._allowed(decodes, d_profiles)
         slo = req.slo
         best = -1
         best_key = (math.inf, math.inf)
@@ -116,7 +175,7 @@ class CalibratedPolicy:
         cheapest_any_key = (math.inf, math.inf)
         estimates: list[costmodel.DecodeEstimate] = []
         for idx, inst in enumerate(decodes):
-            est = costmodel.decode_estimate(req, inst, d_profiles[idx], best_ready)  # type: ignore[arg-type]
+            est = costmodel.decode_estimate(req, inst, d_profiles[idx], ready_s)
             estimates.append(est)
             own_miss = 0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1
             key = (float(est.slo_harm + own_miss), est.act_s)
@@ -125,15 +184,54 @@ class CalibratedPolicy:
             if allowed[idx] and key < best_key:
                 best, best_key = idx, key
         chosen = estimates[best]
+        if local_ok:
+            local = self._local(req, decodes, d_profiles, allowed)
+            if local is not None:
+                l_idx, l_est = local
+                if _violations(l_est, slo) < best_key[0]:
+                    return self._decision(req, None, decodes[l_idx].name, l_est, False, fallback)
+        return self._decision(
+            req, prefill, decodes[best].name, chosen, best != cheapest_any, fallback
+        )
+
+    def _local(
+        self,
+        req: RequestFeatures,
+        decodes: Sequence[InstanceSnapshot],
+        d_profiles: Sequence[CalibrationProfile],
+        allowed: Sequence[bool],
+    ) -> tuple[int, costmodel.DecodeEstimate] | None:
+        """The best decode instance to prefill `req` itself, by (violations, ACT)."""
+        best: tuple[int, costmodel.DecodeEstimate] | None = None
+        best_key = (math.inf, math.inf)
+        for idx, inst in enumerate(decodes):
+            if not allowed[idx]:
+                continue
+            est = costmodel.decode_estimate(req, inst, d_profiles[idx], 0.0, local=True)
+            key = (_violations(est, req.slo), est.act_s)
+            if key < best_key:
+                best, best_key = (idx, est), key
+        return best
+
+    def _decision(
+        self,
+        req: RequestFeatures,
+        prefill: str | None,
+        decode: str,
+        chosen: costmodel.DecodeEstimate,
+        guarded: bool,
+        fallback: bool,
+    ) -> RouteDecision:
+        slo = req.slo
         return RouteDecision(
-            prefill=prefills[best_p].name,
-            decode=decodes[best].name,
+            prefill=prefill,
+            decode=decode,
             policy=self.name,
             predicted_ttft_s=chosen.ttft_s,
             predicted_tpot_s=chosen.tpot_s,
             slo_feasible=chosen.ttft_s <= slo.ttft_s and chosen.tpot_s <= slo.tpot_s,
-            guarded=best != cheapest_any,
-            fallback="median-profile" if p_fallback or d_fallback else None,
+            guarded=guarded,
+            fallback="median-profile" if fallback else None,
         )
 
     def _allowed(

@@ -1,11 +1,14 @@
-"""Policy names -> constructors: the only list of built-in policies.
+"""Policy names -> constructors: the only list of built-in policies, and the switches on them.
 
 `make_policy("uncalibrated", datasheet=...)` needs the datasheet profile of each instance, since
 that policy is the calibrated scorer fed constants derived from datasheets instead of measurements.
+`PolicyOptions` holds the switches every router exposes the same way (the simulator's scenario
+and paper runs, the sidecar's config, the `DisaggPool` CRD): each is off by default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from disaggpool.core.policies.base import Policy
@@ -17,22 +20,51 @@ from disaggpool.core.policies.baselines import (
     RoundRobin,
 )
 from disaggpool.core.policies.calibrated import CalibratedPolicy
+from disaggpool.core.policies.deciders import ThresholdDecider
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["POLICY_NAMES", "make_policy"]
+__all__ = ["CALIBRATED_FAMILY", "POLICY_NAMES", "PolicyOptions", "make_policy"]
 
 Datasheet = Mapping[str, CalibrationProfile]
 
-_FACTORIES: dict[str, Callable[[Datasheet | None], Policy]] = {
-    "round_robin": lambda _: RoundRobin(),
-    "random": lambda _: RandomChoice(),
-    "least_loaded": lambda _: LeastLoaded(),
-    "length": lambda _: LengthHeuristic(),
-    "p2c": lambda _: PowerOfTwo(),
-    "calibrated": lambda _: CalibratedPolicy(),
-    "calibrated_greedy": lambda _: CalibratedPolicy("calibrated_greedy", guard_slack=None),
-    "uncalibrated": lambda ds: CalibratedPolicy("uncalibrated", profiles=_require(ds)),
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyOptions:
+    """Switches on top of a named policy (all off by default).
+
+    `pd_decider` (calibrated policies only): price, for every request, prefilling it on a decode
+    instance instead of the prefill pool, and take that path when it breaks fewer SLOs.
+    `local_prefill_below` (any policy): prompts shorter than this many tokens always skip the
+    prefill pool (a fixed-threshold decider, as llm-d's and Dynamo's simplest form); 0 is off.
+    """
+
+    pd_decider: bool = False
+    local_prefill_below: int = 0
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_below < 0:
+            raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+
+
+Factory = Callable[[Datasheet | None, PolicyOptions], Policy]
+
+_FACTORIES: dict[str, Factory] = {
+    "round_robin": lambda _, o: RoundRobin(),
+    "random": lambda _, o: RandomChoice(),
+    "least_loaded": lambda _, o: LeastLoaded(),
+    "length": lambda _, o: LengthHeuristic(),
+    "p2c": lambda _, o: PowerOfTwo(),
+    "calibrated": lambda _, o: CalibratedPolicy(pd_decider=o.pd_decider),
+    "calibrated_greedy": lambda _, o: CalibratedPolicy(
+        "calibrated_greedy", guard_slack=None, pd_decider=o.pd_decider
+    ),
+    "uncalibrated": lambda ds, o: CalibratedPolicy(
+        "uncalibrated", profiles=_require(ds), pd_decider=o.pd_decider
+    ),
 }
+
+#: The policies `PolicyOptions.pd_decider` applies to.
+CALIBRATED_FAMILY: frozenset[str] = frozenset({"calibrated", "calibrated_greedy", "uncalibrated"})
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
@@ -43,10 +75,21 @@ def _require(datasheet: Datasheet | None) -> Datasheet:
     return datasheet
 
 
-def make_policy(name: str, *, datasheet: Datasheet | None = None) -> Policy:
-    """A fresh policy instance; raises KeyError naming the valid policies for an unknown name."""
+def make_policy(
+    name: str,
+    *,
+    datasheet: Datasheet | None = None,
+    options: PolicyOptions = PolicyOptions(),
+) -> Policy:
+    """A fresh policy instance; raises KeyError naming the valid policies for an unknown name,
+    ValueError for a switch the policy does not have."""
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None
-    return factory(datasheet)
+    if options.pd_decider and name not in CALIBRATED_FAMILY:
+        raise ValueError(f"pd_decider prices in seconds: only for {sorted(CALIBRATED_FAMILY)}")
+    policy = factory(datasheet, options)
+    if options.local_prefill_below:
+        return ThresholdDecider(policy, options.local_prefill_below)
+    return policy

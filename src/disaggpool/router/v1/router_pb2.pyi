@@ -36,6 +36,12 @@ class RouteRequest(_message.Message):
     exclude_prefill: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ..., slo_class: _Optional[str] = ..., max_tokens: _Optional[int] = ..., exclude_prefill: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class BindDecodeRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
 class Endpoint(_message.Message):
     __slots__ = ("name", "url")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class RouterStub:
                 request_serializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.BindDecode = channel.unary_unary(
+                '/disaggpool.router.v1.Router/BindDecode',
+                request_serializer=disaggpool_dot_router_dot_v1_dot_router__pb2.BindDecodeRequest.SerializeToString,
+                response_deserializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.Report = channel.unary_unary(
                 '/disaggpool.router.v1.Router/Report',
                 request_serializer=disaggpool_dot_router_dot_v1_dot_router__pb2.ReportRequest.SerializeToString,
@@ -61,6 +66,18 @@ class RouterServicer:
     def Route(self, request, context):
         """Choose a prefill and a decode pod for one request. The request is counted in flight on both
         from this moment until a FINISHED or FAILED report (or the in-flight lease expires).
+        Two answers leave a pod out: no `prefill` when the decode pod is to prefill the prompt itself
+        (the P/D decider's local path: send the request to the decode pod as is, without
+        kv_transfer_params); no `decode` when the router binds the decode pod late (config
+        `decode_binding: late`): run the prefill leg, then call BindDecode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BindDecode(self, request, context):
+        """Late binding: the prefill leg of a routed request answered; choose its decode pod now, on the
+        pool's state of this moment. Also counts as a PREFILLED report.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +104,11 @@ def add_RouterServicer_to_server(servicer, server):
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
                     request_deserializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteRequest.FromString,
+                    response_serializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
+            ),
+            'BindDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.BindDecode,
+                    request_deserializer=disaggpool_dot_router_dot_v1_dot_router__pb2.BindDecodeRequest.FromString,
                     response_serializer=disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
@@ -128,6 +150,33 @@ class Router:
             target,
             '/disaggpool.router.v1.Router/Route',
             disaggpool_dot_router_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
+            disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BindDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disaggpool.router.v1.Router/BindDecode',
+            disaggpool_dot_router_dot_v1_dot_router__pb2.BindDecodeRequest.SerializeToString,
             disaggpool_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,294 @@
+"""The router's ledger: what it sent where and has not seen finish, and the snapshot built from it.
+
+A router knows two things about an instance: what the instance last said about itself (scraped
+`Gauges`, up to one scrape interval old, counting every client's work) and its own exact account
+of the requests it routed there (`Account`). `view` combines the two into the `InstanceSnapshot`
+the policies read, by one rule for every router:
+
+* prefill instance: `inflight` = `queued` = requests routed there whose prefill has not answered,
+  `queued_tokens` / `queued_sq_tokens` their prompt tokens (and squares); `waiting` is the
+  scraped count raised to our own `queued` when that is higher;
+* decode instance: `inflight` = routed there and not finished; `queued` = not yet decoding (no
+  output token seen), `queued_tokens` their prompt tokens; `remaining_output_tokens` = predicted
+  output of the in-flight requests minus what they produced so far (at least one token per
+  decoding request); `tpot_targets` their TPOT targets; `running` / `waiting` are the scraped
+  gauges raised to our own counts of requests decoding / queued there;
+* `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape.
+
+The sidecar (`sidecar.state`) feeds it scraped gauges and the front door's or gRPC clients'
+reports; the simulator (`sim.router`) feeds it the engines' state at its scrape ticks and the same
+reports at the moments a real router would get them. Several router replicas are several ledgers
+over the same gauges. Pure and synchronous: no clock (times are passed in), no I/O.
+
+Late binding: an entry may be booked with its prefill instance only (`decode=None`) and bound to
+a decode instance later (`bind_decode`), when the prefill leg returns. Local prefill: an entry
+booked without a prefill instance (`prefill=None`) is prefilled by its decode instance, whose
+account then carries its prompt as `local_tokens` until it starts decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from disaggpool.core.contracts import InstanceSnapshot, Role, SLOClass
+from disaggpool.core.profile import CalibrationProfile
+
+__all__ = ["Account", "Entry", "Gauges", "Ledger", "view"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gauges:
+    """What one scrape of an instance's `/metrics` said (vLLM's gauges)."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the KV cache in use
+    kv_capacity_tokens: int  # num_gpu_blocks * block_size (0 if not reported)
+    preemptions: float = 0.0
+
+    @property
+    def kv_tokens_used(self) -> int:
+        return int(self.kv_usage * self.kv_capacity_tokens)
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    """One routed request the router has not seen finish."""
+
+    request_id: str
+    prefill: str | None  # None: the decode instance prefills it (local path)
+    decode: str | None  # None while the decode instance is not chosen yet (late binding)
+    prompt_tokens: int
+    predicted_output: float
+    slo: SLOClass
+    routed_at: float
+    prefilled: bool = False
+    decoding: bool = False
+    generated: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class Account:
+    """The router's counters for one instance (see the module docstring for their meaning)."""
+
+    inflight: int = 0
+    queued: int = 0
+    queued_tokens: int = 0
+    queued_sq_tokens: float = 0.0
+    decoding: int = 0
+    predicted_left: float = 0.0
+    tokens_since_scrape: int = 0
+    local_tokens: int = 0
+    local_sq_tokens: float = 0.0
+    targets: dict[float, int] = dataclasses.field(default_factory=dict)
+
+
+class Ledger:
+    """Entries by request id and accounts by instance name.
+
+    Every method returning an `Entry` returns the one it changed (None for an unknown id), so a
+    caller that caches views knows which instances to refresh.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self.accounts: dict[str, Account] = {}
+
+    def account(self, name: str) -> Account:
+        acc = self.accounts.get(name)
+        if acc is None:
+            acc = self.accounts[name] = Account()
+        return acc
+
+    def busy(self, name: str) -> bool:
+        """Whether requests routed to `name` are still in flight."""
+        acc = self.accounts.get(name)
+        return acc is not None and acc.inflight > 0
+
+    def forget(self, name: str) -> None:
+        """Drop the account of an instance that left the pool with nothing in flight."""
+        acc = self.accounts.get(name)
+        if acc is not None and acc.inflight == 0:
+            del self.accounts[name]
+
+    # ---------------------------------------------------------------- a request's life
+    def routed(self, entry: Entry) -> None:
+        """Book a routed request on its prefill instance (and decode instance, when bound)."""
+        if entry.request_id in self.entries:
+            raise KeyError(f"request id {entry.request_id!r} is already in flight")
+        self.entries[entry.request_id] = entry
+        if entry.prefill is None:
+            if entry.decode is None:
+                raise ValueError(f"request {entry.request_id!r}: local prefill needs a decode")
+            entry.prefilled = True  # no prefill leg to wait for
+        else:
+            p = self.account(entry.prefill)
+            n = entry.prompt_tokens
+            p.inflight += 1
+            p.queued += 1
+            p.queued_tokens += n
+            p.queued_sq_tokens += float(n) * n
+        if entry.decode is not None:
+            self._book_decode(entry, entry.decode)
+
+    def bind_decode(self, request_id: str, decode: str) -> Entry | None:
+        """Choose the decode instance of a request booked without one (late binding)."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            return None
+        if entry.decode is not None:
+            raise ValueError(f"request {request_id!r} is already bound to {entry.decode!r}")
+        self._book_decode(entry, decode)
+        return entry
+
+    def _book_decode(self, entry: Entry, decode: str) -> None:
+        entry.decode = decode
+        d = self.account(decode)
+        d.inflight += 1
+        d.queued += 1
+        d.queued_tokens += entry.prompt_tokens
+        d.predicted_left += entry.predicted_output
+        d.tokens_since_scrape += entry.prompt_tokens
+        if entry.prefill is None:
+            d.local_tokens += entry.prompt_tokens
+            d.local_sq_tokens += float(entry.prompt_tokens) ** 2
+        d.targets[entry.slo.tpot_s] = d.targets.get(entry.slo.tpot_s, 0) + 1
+
+    def prefilled(self, request_id: str) -> Entry | None:
+        """The prefill leg answered: the prefill instance's share is released."""
+        entry = self.entries.get(request_id)
+        if entry is not None and not entry.prefilled:
+            entry.prefilled = True
+            self._release_prefill(entry)
+        return entry
+
+    def progress(self, request_id: str, generated: int) -> Entry | None:
+        """`generated` output tokens so far; the first report above 0 marks it decoding."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            return None
+        if not entry.prefilled:
+            self.prefilled(request_id)
+        if entry.decode is None:  # a client reporting tokens of a request it never bound
+            return entry
+        d = self.accounts[entry.decode]
+        if not entry.decoding and generated > 0:
+            entry.decoding = True
+            self._start_decoding(entry, d)
+        if generated > entry.generated:
+            left = entry.predicted_output - entry.generated
+            if left > 0.0:
+                step = generated - entry.generated
+                d.predicted_left -= step if step < left else left
+            entry.generated = generated
+        return entry
+
+    def finished(self, request_id: str) -> Entry | None:
+        """Forget a request (finished, failed or expired); returns its entry, if known."""
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return None
+        if not entry.prefilled:
+            self._release_prefill(entry)
+        if entry.decode is None:
+            return entry
+        d = self.accounts[entry.decode]
+        d.inflight -= 1
+        if entry.decoding:
+            d.decoding -= 1
+        else:
+            self._start_decoding(entry, d)
+            d.decoding -= 1
+        d.predicted_left -= max(0.0, entry.predicted_output - entry.generated)
+        if d.inflight == 0:
+            d.predicted_left = 0.0  # no float residue once idle
+        left = d.targets[entry.slo.tpot_s] - 1
+        if left:
+            d.targets[entry.slo.tpot_s] = left
+        else:
+            del d.targets[entry.slo.tpot_s]
+        return entry
+
+    def expired(self, now: float, ttl: float) -> list[Entry]:
+        """Forget requests routed more than `ttl` seconds ago (a caller that never reported)."""
+        old = [e.request_id for e in self.entries.values() if now - e.routed_at > ttl]
+        return [entry for rid in old if (entry := self.finished(rid)) is not None]
+
+    def scraped(self, name: str) -> None:
+        """A fresh scrape of `name` now counts the prompt tokens routed there before it."""
+        acc = self.accounts.get(name)
+        if acc is not None:
+            acc.tokens_since_scrape = 0
+
+    @staticmethod
+    def _start_decoding(entry: Entry, d: Account) -> None:
+        d.queued -= 1
+        d.queued_tokens -= entry.prompt_tokens
+        d.decoding += 1
+        if entry.prefill is None:
+            d.local_tokens -= entry.prompt_tokens
+            d.local_sq_tokens -= float(entry.prompt_tokens) ** 2
+            if d.local_tokens == 0:
+                d.local_sq_tokens = 0.0  # no float residue
+
+    def _release_prefill(self, entry: Entry) -> None:
+        if entry.prefill is None:
+            return
+        p = self.accounts[entry.prefill]
+        n = entry.prompt_tokens
+        p.inflight -= 1
+        p.queued -= 1
+        p.queued_tokens -= n
+        p.queued_sq_tokens -= float(n) * n
+        if p.inflight == 0:
+            p.queued_sq_tokens = 0.0
+
+
+_IDLE = Account()
+
+
+def view(
+    name: str,
+    role: Role,
+    account: Account | None,
+    gauges: Gauges | None,
+    *,
+    healthy: bool = True,
+    profile: CalibrationProfile | None = None,
+) -> InstanceSnapshot:
+    """The instance as the policies see it: scraped gauges combined with the router's account."""
+    acc = account if account is not None else _IDLE
+    running = waiting = kv_used = 0
+    if gauges is not None:
+        running, waiting, kv_used = gauges.running, gauges.waiting, gauges.kv_tokens_used
+    kv_used += acc.tokens_since_scrape
+    if role == "prefill":
+        return InstanceSnapshot(
+            name=name,
+            role="prefill",
+            running=running,
+            waiting=waiting if waiting > acc.queued else acc.queued,
+            kv_tokens_used=kv_used,
+            inflight=acc.inflight,
+            queued=acc.queued,
+            queued_tokens=acc.queued_tokens,
+            queued_sq_tokens=acc.queued_sq_tokens,
+            healthy=healthy,
+            profile=profile,
+        )
+    return InstanceSnapshot(
+        name=name,
+        role="decode",
+        running=running if running > acc.decoding else acc.decoding,
+        waiting=waiting if waiting > acc.queued else acc.queued,
+        kv_tokens_used=kv_used,
+        inflight=acc.inflight,
+        queued=acc.queued,
+        queued_tokens=acc.queued_tokens,
+        remaining_output_tokens=max(float(acc.decoding), acc.predicted_left),
+        tpot_targets=tuple(sorted(acc.targets.items())),
+        local_prefill_tokens=acc.local_tokens,
+        local_prefill_sq_tokens=acc.local_sq_tokens,
+        healthy=healthy,
+        profile=profile,
+    )

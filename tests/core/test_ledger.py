@@ -1,0 +1,108 @@
+"""The router's ledger on its own: late binding and the local path keep the books, any sequence of
+reports returns them to zero, and `view` combines gauges and books by its written rule."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.ledger import Entry, Gauges, Ledger, view
+
+SLO = SLOClass("c", 1.0, 0.1)
+
+
+def entry(rid: str, p: str | None = "p0", d: str | None = "d0", n: int = 100) -> Entry:
+    return Entry(rid, p, d, n, 50.0, SLO, routed_at=0.0)
+
+
+def zero(ledger: Ledger) -> bool:
+    return all(
+        (a.inflight, a.queued, a.queued_tokens, a.decoding, a.local_tokens, a.targets)
+        == (0, 0, 0, 0, 0, {})
+        and abs(a.predicted_left) < 1e-6
+        and abs(a.queued_sq_tokens) < 1e-6
+        and abs(a.local_sq_tokens) < 1e-6
+        for a in ledger.accounts.values()
+    )
+
+
+def test_late_binding_books_decode_only_when_bound() -> None:
+    led = Ledger()
+    led.routed(entry("a", d=None))
+    assert led.accounts["p0"].queued_tokens == 100 and "d0" not in led.accounts
+    led.prefilled("a")
+    assert led.bind_decode("a", "d1") is not None
+    d1 = led.accounts["d1"]
+    assert (d1.inflight, d1.queued, d1.queued_tokens, d1.predicted_left) == (1, 1, 100, 50.0)
+    led.progress("a", 5)
+    assert (d1.queued, d1.decoding, d1.predicted_left) == (0, 1, 45.0)
+    led.finished("a")
+    assert zero(led) and led.bind_decode("a", "d1") is None
+
+
+def test_local_path_books_the_prompt_on_the_decode_instance() -> None:
+    led = Ledger()
+    led.routed(entry("a", p=None, n=300))
+    assert led.entries["a"].prefilled  # no prefill leg to wait for
+    d0 = led.accounts["d0"]
+    assert (d0.local_tokens, d0.local_sq_tokens, d0.queued_tokens) == (300, 90_000.0, 300)
+    snap = view("d0", "decode", d0, None)
+    assert (snap.local_prefill_tokens, snap.local_prefill_sq_tokens) == (300, 90_000.0)
+    led.progress("a", 1)  # its first token: the prompt is computed
+    assert (d0.local_tokens, d0.decoding) == (0, 1)
+    led.finished("a")
+    assert zero(led)
+
+
+def test_view_raises_gauges_to_the_books_and_adds_tokens_since_the_scrape() -> None:
+    led = Ledger()
+    for i in range(3):
+        led.routed(entry(f"r{i}"))
+    led.progress("r0", 2)
+    gauges = Gauges(running=0, waiting=1, kv_usage=0.25, kv_capacity_tokens=4000)
+    d0 = view("d0", "decode", led.accounts["d0"], gauges)
+    assert (d0.running, d0.waiting) == (1, 2)  # our own counts beat a stale scrape
+    assert d0.kv_tokens_used == 1000 + 300
+    led.scraped("d0")
+    assert view("d0", "decode", led.accounts["d0"], gauges).kv_tokens_used == 1000
+    p0 = view("p0", "prefill", led.accounts["p0"], None)
+    assert (p0.queued, p0.queued_tokens) == (2, 200)  # r0's prefill was done by its first token
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["arrive", "arrive_late", "arrive_local", "bind", "prefilled", "token",
+                         "finish"]),
+        st.integers(0, 5),
+        st.integers(1, 300),
+    ),
+    max_size=60,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, int, int]]) -> None:
+    led = Ledger()
+    for op, i, n in seq:
+        rid = f"r{i}"
+        if op.startswith("arrive") and rid not in led.entries:
+            p = None if op == "arrive_local" else "p0"
+            d = None if op == "arrive_late" else f"d{i % 2}"
+            led.routed(Entry(rid, p, d, n, n / 3, SLO, 0.0))
+        elif op == "bind" and rid in led.entries and led.entries[rid].decode is None:
+            led.bind_decode(rid, "d1")
+        elif op == "prefilled":
+            led.prefilled(rid)
+        elif op == "token":
+            led.progress(rid, n)
+        elif op == "finish":
+            led.finished(rid)
+        for acc in led.accounts.values():
+            assert acc.inflight >= 0 and acc.queued >= 0 and acc.queued_tokens >= 0
+            assert acc.local_tokens >= 0 and acc.decoding >= 0
+            assert acc.predicted_left >= -1e-6
+    for rid in list(led.entries):
+        led.finished(rid)
+    assert zero(led)
