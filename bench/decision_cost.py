@@ -19,7 +19,8 @@ drawn and cycled through:
 * decode instance: 20-80 running sequences, each with a trace prompt and part of its output
   already in KV (``kv_tokens_used``, capped at the KV capacity), 0-6 more in flight not yet
   decoding (``queued``, some of them reported ``waiting``), ``remaining_output_tokens`` summed over
-  them, and ``tpot_targets`` with both classes' TPOT targets (about 69% chat, the trace's share);
+  them, and ``tpot_budgets`` as the ledger buckets them: one per decoding request, its class's TPOT
+  target (about 69% chat, the trace's share) within +-30%, by its remaining tokens;
 * prefill instance: 0-1 running, 0-4 queued prompts with their token sums.
 
 Timing: ``time.perf_counter_ns`` around each call; per pool size 20,000 calls per policy for 8
@@ -45,7 +46,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import benchutil
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, SLOClass
+from disaggpool.core.contracts import (
+    InstanceSnapshot,
+    PoolSnapshot,
+    RequestFeatures,
+    SLOClass,
+    TpotBudgets,
+)
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import Policy
 from disaggpool.core.policies.registry import make_policy
@@ -95,18 +102,28 @@ def _decode_snapshot(
     queued = rng.randint(0, 6)
     kv = 0
     remaining = 0.0
+    counts: dict[tuple[float, int], int] = {}
     for _ in range(running):
         r = rng.choice(trace)
         done = rng.randint(0, r.output_tokens)
         kv += r.prompt_tokens + done
-        remaining += max(1, r.output_tokens - done)
+        left = max(1, r.output_tokens - done)
+        remaining += left
+        # a decoding request affords its class's target give or take the slack it has had
+        target = slo["chat" if rng.random() < CHAT_SHARE else "code"].tpot_s
+        key = (
+            round(target * rng.uniform(0.7, 1.3) * 2000.0) / 2000.0,
+            1 << (left.bit_length() - 1),
+        )
+        counts[key] = counts.get(key, 0) + 1
     queued_reqs = [rng.choice(trace) for _ in range(queued)]
     remaining += sum(r.output_tokens for r in queued_reqs)
     inflight = running + queued
-    chat = sum(1 for _ in range(inflight) if rng.random() < CHAT_SHARE)
-    targets = sorted(
-        (slo[c].tpot_s, k) for c, k in (("chat", chat), ("code", inflight - chat)) if k
-    )
+    for r in queued_reqs:
+        target = slo["chat" if rng.random() < CHAT_SHARE else "code"].tpot_s
+        key = (target, 1 << (max(1, r.output_tokens).bit_length() - 1))
+        counts[key] = counts.get(key, 0) + 1
+    targets = TpotBudgets.of((b, left, k) for (b, left), k in counts.items())
     return InstanceSnapshot(
         name=name,
         role="decode",
@@ -117,7 +134,7 @@ def _decode_snapshot(
         queued=queued,
         queued_tokens=sum(r.prompt_tokens for r in queued_reqs),
         remaining_output_tokens=remaining,
-        tpot_targets=tuple(targets),
+        tpot_budgets=targets,
         profile=prof,
     )
 

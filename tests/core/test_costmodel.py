@@ -7,7 +7,7 @@ import math
 import pytest
 
 from disaggpool.core import costmodel
-from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures, SLOClass
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures, SLOClass, TpotBudgets
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
 
 # Round numbers so that every expectation below can be checked with pencil and paper.
@@ -100,7 +100,7 @@ def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
         running=4,
         kv_tokens_used=4000,
         remaining_output_tokens=400.0,
-        tpot_targets=((tau_before / 2, 1), (between, 2), (1.0, 1)),
+        tpot_budgets=TpotBudgets.of([(tau_before / 2, 64, 1), (between, 64, 2), (1.0, 64, 1)]),
     )
     est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     # the first is late anyway, the last has room: only the two between are pushed over
@@ -117,7 +117,7 @@ def test_local_prefill_prices_the_stall_and_skips_the_transfer() -> None:
         running=4,
         kv_tokens_used=4000,
         remaining_output_tokens=400.0,
-        tpot_targets=((0.03, 2), (0.5, 1)),
+        tpot_budgets=TpotBudgets.of([(0.03, 64, 2), (0.035, 8, 1), (0.5, 8, 1)]),
     )
     remote = costmodel.decode_estimate(request(), inst, PROFILE, 0.3)
     local = costmodel.decode_estimate(request(), inst, PROFILE, 0.0, local=True)
@@ -126,11 +126,12 @@ def test_local_prefill_prices_the_stall_and_skips_the_transfer() -> None:
     assert remote.ttft_s == pytest.approx(0.3 + 0.002 + 0.5 + tau)
     assert local.ttft_s == pytest.approx(own + tau)
     assert local.harm_s == pytest.approx(remote.harm_s + 4 * own)
-    # r's extra step alone keeps the two sequences aiming at 0.03 s on course (tau = 0.02975);
-    # the stall, spread over their r_bar = 100 remaining tokens, takes them to 0.03485 and over.
-    # The one aiming at 0.5 s keeps its room either way.
+    # r's extra step alone keeps every sequence on course (tau = 0.02975). The 0.51 s stall
+    # breaks those whose slack in seconds, (budget - tau) * remaining tokens, is smaller: the two
+    # at 0.03 s with 64 tokens left (0.016 s), and the one at 0.035 s with 8 left (0.042 s); the
+    # one affording 0.5 s per token for its last 8 (3.8 s) absorbs it.
     assert remote.slo_harm == 0
-    assert local.slo_harm == 2
+    assert local.slo_harm == 3
 
 
 def test_queued_local_prefills_stall_a_remote_request_too() -> None:

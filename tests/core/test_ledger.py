@@ -35,7 +35,7 @@ def test_late_binding_books_decode_only_when_bound() -> None:
     assert led.bind_decode("a", "d1") is not None
     d1 = led.accounts["d1"]
     assert (d1.inflight, d1.queued, d1.queued_tokens, d1.predicted_left) == (1, 1, 100, 50.0)
-    led.progress("a", 5)
+    led.progress("a", 5, 1.0)
     assert (d1.queued, d1.decoding, d1.predicted_left) == (0, 1, 45.0)
     led.finished("a")
     assert zero(led) and led.bind_decode("a", "d1") is None
@@ -49,7 +49,7 @@ def test_local_path_books_the_prompt_on_the_decode_instance() -> None:
     assert (d0.local_tokens, d0.local_sq_tokens, d0.queued_tokens) == (300, 90_000.0, 300)
     snap = view("d0", "decode", d0, None)
     assert (snap.local_prefill_tokens, snap.local_prefill_sq_tokens) == (300, 90_000.0)
-    led.progress("a", 1)  # its first token: the prompt is computed
+    led.progress("a", 1, 1.0)  # its first token: the prompt is computed
     assert (d0.local_tokens, d0.decoding) == (0, 1)
     led.finished("a")
     assert zero(led)
@@ -59,7 +59,7 @@ def test_view_raises_gauges_to_the_books_and_adds_tokens_since_the_scrape() -> N
     led = Ledger()
     for i in range(3):
         led.routed(entry(f"r{i}"))
-    led.progress("r0", 2)
+    led.progress("r0", 2, 1.0)
     gauges = Gauges(running=0, waiting=1, kv_usage=0.25, kv_capacity_tokens=4000)
     d0 = view("d0", "decode", led.accounts["d0"], gauges)
     assert (d0.running, d0.waiting) == (1, 2)  # our own counts beat a stale scrape
@@ -96,7 +96,7 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
         elif op == "prefilled":
             led.prefilled(rid)
         elif op == "token":
-            led.progress(rid, n)
+            led.progress(rid, n, 1.0)
         elif op == "finish":
             led.finished(rid)
         for acc in led.accounts.values():
@@ -106,3 +106,24 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
     for rid in list(led.entries):
         led.finished(rid)
     assert zero(led)
+
+
+def test_budgets_shrink_as_a_request_falls_behind() -> None:
+    """Target 0.1 s per token, 50 predicted: after 10 tokens in 1.0 s (first at 0.0) its 40
+    remaining tokens may take (0.1 * 49 - 1.0) / 40 = 97.5 ms each; a queued one affords 0.1 s."""
+    led = Ledger()
+    led.routed(Entry("a", "p0", "d0", 100, 50.0, SLO, 0.0))
+    led.routed(Entry("b", "p0", "d0", 100, 50.0, SLO, 0.0))
+    led.progress("a", 10, now=1.0, first_token_at=0.0)
+    assert view("d0", "decode", led.accounts["d0"], None, now=1.0).tpot_budgets.groups() == [
+        (0.0975, 32, 1),  # 40 tokens left: 32, a power of two
+        (0.1, 32, 1),
+    ]
+    # two seconds on, still at 10 tokens: a stall has eaten half of its slack
+    later = view("d0", "decode", led.accounts["d0"], None, now=3.0).tpot_budgets
+    assert later.groups()[0] == (0.0475, 32, 1)
+    assert (later.between(0.0, 0.05), later.between(0.05, 1.0), later.between(0.1, 0.1)) == (
+        1,
+        1,
+        0,
+    )

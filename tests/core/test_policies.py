@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, SLOClass
+from disaggpool.core.contracts import (
+    InstanceSnapshot,
+    PoolSnapshot,
+    RequestFeatures,
+    SLOClass,
+    TpotBudgets,
+)
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import NoCapacityError
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
@@ -114,7 +120,7 @@ def test_calibrated_protects_requests_it_would_push_over_their_slo() -> None:
     # r_bar = 100 remaining tokens, growth 50 per sequence while r overlaps (COSTMODEL.md)
     before = A40.decode.step(60, 60_000 + 60 * 50)
     after = A40.decode.step(61, 61_000 + 61 * 50)
-    tight = (((before + after) / 2, 60),)
+    tight = TpotBudgets.of([((before + after) / 2, 64, 60)])
     snap = pool(
         [
             decode(
@@ -123,7 +129,7 @@ def test_calibrated_protects_requests_it_would_push_over_their_slo() -> None:
                 kv_tokens_used=60 * 1000,
                 inflight=60,
                 remaining_output_tokens=6000.0,
-                tpot_targets=tight,
+                tpot_budgets=tight,
             ),
             decode(
                 "d1",
@@ -131,7 +137,7 @@ def test_calibrated_protects_requests_it_would_push_over_their_slo() -> None:
                 kv_tokens_used=70 * 1000,
                 inflight=70,
                 remaining_output_tokens=7000.0,
-                tpot_targets=((0.2, 70),),
+                tpot_budgets=TpotBudgets.of([(0.2, 64, 70)]),
             ),
         ]
     )

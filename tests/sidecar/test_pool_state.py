@@ -56,13 +56,13 @@ def test_lifecycle_and_snapshot() -> None:
     assert (d0.inflight, d0.queued, d0.queued_tokens) == (1, 1, 100)
     assert d0.kv_tokens_used == 500 + 100  # scraped + routed since the scrape
     assert d0.running == 3 and d0.remaining_output_tokens == 50.0
-    assert d0.tpot_targets == ((0.1, 1),)
+    assert d0.tpot_budgets.groups() == [(0.1, 32, 1)]  # 50 predicted tokens: 32, a power of two
     s.prefilled("a")
-    s.progress("a", 10)
+    s.progress("a", 10, 2.0)
     d0 = s.snapshot(2.0).decode[0]
     assert (d0.queued, d0.queued_tokens, d0.remaining_output_tokens) == (0, 0, 40.0)
     assert s.snapshot(2.0).prefill[0].queued == 0
-    s.progress("a", 70)  # past the prediction: nothing negative
+    s.progress("a", 70, 2.0)  # past the prediction: nothing negative
     assert s.snapshot(2.0).decode[0].remaining_output_tokens == 1.0  # one sequence decoding
     assert s.finished("a") is not None
     assert zeroed(s) and s.finished("a") is None
@@ -119,7 +119,7 @@ def test_any_interleaving_returns_to_zero(seq: list[tuple[str, int, int]]) -> No
         elif op == "prefilled":
             s.prefilled(rid)
         elif op == "progress":
-            s.progress(rid, n)
+            s.progress(rid, n, 0.0)
         elif op == "finish":
             s.finished(rid)
         for inst in s.snapshot(0).decode + list(s.snapshot(0).prefill):

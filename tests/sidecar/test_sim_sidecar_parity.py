@@ -50,9 +50,9 @@ class RecordingReplica(RouterReplica):
         self.log.append(("scraped", now, name, gauges))
         super().scraped(name, gauges, now)
 
-    def progress(self, req: EngineRequest, produced: int) -> None:
-        self.log.append(("progress", req.key, produced))
-        super().progress(req, produced)
+    def progress(self, req: EngineRequest, produced: int, now: float) -> None:
+        self.log.append(("progress", now, req.key, produced, req.first_token))
+        super().progress(req, produced, now)
 
     def routed(self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float) -> None:
         self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode))
@@ -141,7 +141,9 @@ def replay(
             now[0] = t
             service.state.scraped(name, gauges, t)
         elif kind == "progress":
-            service.progress(event[1], event[2])
+            _, t, rid, produced, first_token_at = event
+            now[0] = t
+            service.progress(rid, produced, first_token_at)
         elif kind == "routed":
             _, t, rid, prompt, prefill, decode = event
             now[0] = t

@@ -12,13 +12,15 @@ All are frozen, slotted dataclasses: cheap to build on the hot path and safe to 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
+    "NO_BUDGETS",
     "Fallback",
     "InstanceSnapshot",
     "PoolSnapshot",
@@ -26,6 +28,7 @@ __all__ = [
     "Role",
     "RouteDecision",
     "SLOClass",
+    "TpotBudgets",
 ]
 
 Role = Literal["prefill", "decode"]
@@ -56,6 +59,48 @@ class RequestFeatures:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TpotBudgets:
+    """In-flight requests by the time per remaining output token each can afford and still meet
+    its TPOT target: ``seconds`` in increasing order, with each group's predicted remaining
+    tokens (``tokens``) and request count; ``cumulative[i]`` counts the requests of groups 0..i-1,
+    so the scorer counts the requests in a range of budgets with two bisections."""
+
+    seconds: tuple[float, ...] = ()
+    tokens: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+    cumulative: tuple[int, ...] = (0,)
+
+    @classmethod
+    def of(cls, groups: Iterable[tuple[float, int, int]]) -> TpotBudgets:
+        """From ``(seconds, remaining tokens, count)`` groups in any order."""
+        ordered = sorted(groups)
+        cumulative = [0]
+        for _, _, count in ordered:
+            cumulative.append(cumulative[-1] + count)
+        return cls(
+            tuple(g[0] for g in ordered),
+            tuple(g[1] for g in ordered),
+            tuple(g[2] for g in ordered),
+            tuple(cumulative),
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.seconds)
+
+    def between(self, low: float, high: float) -> int:
+        """Requests whose budget lies in [low, high)."""
+        i = bisect.bisect_left(self.seconds, low)
+        j = bisect.bisect_left(self.seconds, high, i)
+        return self.cumulative[j] - self.cumulative[i] if j > i else 0
+
+    def groups(self) -> list[tuple[float, int, int]]:
+        return list(zip(self.seconds, self.tokens, self.counts, strict=True))
+
+
+NO_BUDGETS = TpotBudgets()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class InstanceSnapshot:
     """One instance at decision time.
 
@@ -64,8 +109,11 @@ class InstanceSnapshot:
     `inflight` (all stages), `queued` and `queued_tokens` (not yet started here: for a prefill
     instance not yet prefilled, for a decode instance not yet decoding), `queued_sq_tokens`
     (sum of squared prompt lengths of the queued ones), `remaining_output_tokens` (sum of their
-    predicted remaining output tokens) and `tpot_targets` (the TPOT targets of the in-flight
-    requests as ``(target seconds, count)`` pairs, so the scorer can tell whom a slowdown hurts).
+    predicted remaining output tokens) and `tpot_budgets` (`TpotBudgets`): for the in-flight
+    requests, the time per remaining output token each can still afford and meet its TPOT target,
+    with its predicted remaining tokens, so the scorer can tell whom a slowdown or a stall pushes
+    over. A request not decoding yet affords its target; one that has been slowed affords less
+    (`core.ledger` says how they are grouped).
     `local_prefill_tokens` / `local_prefill_sq_tokens` (decode instances): prompt tokens (and their
     squares) of the requests routed there to be prefilled *on the decode instance itself* (the
     P/D decider's local path) that have not started decoding.
@@ -82,7 +130,7 @@ class InstanceSnapshot:
     queued_tokens: int = 0
     queued_sq_tokens: float = 0.0
     remaining_output_tokens: float = 0.0
-    tpot_targets: tuple[tuple[float, int], ...] = ()
+    tpot_budgets: TpotBudgets = NO_BUDGETS
     local_prefill_tokens: int = 0
     local_prefill_sq_tokens: float = 0.0
     healthy: bool = True

@@ -11,6 +11,7 @@ allocation beyond the returned named tuples.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import NamedTuple
 
@@ -111,12 +112,10 @@ def decode_estimate(
 
     # Whose TPOT target the extra step time breaks: in-flight requests meeting theirs without r.
     slo_harm = 0
-    if inst.tpot_targets:
+    if inst.tpot_budgets:
         b_before = b_ahead if b_ahead < max_seqs else max_seqs
         tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * min(cap, k_ahead + b_before * growth)
-        for target, count in inst.tpot_targets:
-            if tau_before <= target < tau:
-                slo_harm += count
+        slo_harm = inst.tpot_budgets.between(tau_before, tau)
 
     # Admission wait: requests that must finish before r gets a slot and its KV blocks.
     excess_seqs = b_join - max_seqs
@@ -152,11 +151,17 @@ def decode_estimate(
         own = prof.prefill.prompt_time(n)
         ttft = prefill_ready_s + wait + stall + own + tau
         harm += b_ahead * own
-        if inst.tpot_targets and b_ahead:
-            tau_stalled = tau + own / (r_bar if r_bar > 1.0 else 1.0)
-            for target, count in inst.tpot_targets:
-                if tau <= target < tau_stalled:
-                    slo_harm += count
+        if inst.tpot_budgets and b_ahead:
+            # A stall of `own` seconds breaks a request whose remaining tokens cannot absorb it:
+            # its slack in seconds is (budget - tau) * remaining tokens.
+            # Only budgets in [tau, tau + own) can break (a request has at least one token left).
+            b = inst.tpot_budgets
+            i = bisect.bisect_left(b.seconds, tau)
+            end = len(b.seconds)
+            while i < end and b.seconds[i] < tau + own:
+                if (b.seconds[i] - tau) * b.tokens[i] < own:
+                    slo_harm += b.counts[i]
+                i += 1
     else:
         ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
     act = wait + o * tau + harm

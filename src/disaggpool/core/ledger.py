@@ -11,9 +11,19 @@ the policies read, by one rule for every router:
 * decode instance: `inflight` = routed there and not finished; `queued` = not yet decoding (no
   output token seen), `queued_tokens` their prompt tokens; `remaining_output_tokens` = predicted
   output of the in-flight requests minus what they produced so far (at least one token per
-  decoding request); `tpot_targets` their TPOT targets; `running` / `waiting` are the scraped
-  gauges raised to our own counts of requests decoding / queued there;
+  decoding request); `tpot_budgets` what time per remaining token each can still afford (below);
+  `running` / `waiting` are the scraped gauges raised to our own counts of requests decoding /
+  queued there;
 * `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape.
+
+TPOT budgets. A request of target T that has produced k tokens, the first one e seconds ago, and
+is predicted r more, meets its target if its remaining r steps take at most
+``(T * (k + r - 1) - e) / r`` seconds each: its budget, which shrinks as stalls and slow steps
+eat into its slack. A request not decoding yet has its target as budget. The snapshot carries
+``(budget, remaining tokens, count)``: budgets rounded to 0.5 ms, remaining tokens to the power of
+two at or below them (a stall of S seconds breaks a request whose budget exceeds the step time by
+less than S / remaining: near its end a request has little slack left in seconds), so the
+snapshot stays small whatever the number of requests.
 
 The sidecar (`sidecar.state`) feeds it scraped gauges and the front door's or gRPC clients'
 reports; the simulator (`sim.router`) feeds it the engines' state at its scrape ticks and the same
@@ -30,10 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from disaggpool.core.contracts import InstanceSnapshot, Role, SLOClass
+from disaggpool.core.contracts import NO_BUDGETS, InstanceSnapshot, Role, SLOClass, TpotBudgets
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["Account", "Entry", "Gauges", "Ledger", "view"]
+__all__ = ["Account", "Entry", "Gauges", "Ledger", "budgets", "view"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +75,17 @@ class Entry:
     prefilled: bool = False
     decoding: bool = False
     generated: int = 0
+    first_token_at: float = 0.0
+
+    def budget(self, now: float) -> float:
+        """Seconds per remaining output token it can afford and meet its TPOT target."""
+        if not self.decoding:
+            return self.slo.tpot_s
+        k = self.generated
+        r = self.predicted_output - k
+        if r < 1.0:
+            r = 1.0
+        return (self.slo.tpot_s * (k + r - 1.0) - (now - self.first_token_at)) / r
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,7 +101,8 @@ class Account:
     tokens_since_scrape: int = 0
     local_tokens: int = 0
     local_sq_tokens: float = 0.0
-    targets: dict[float, int] = dataclasses.field(default_factory=dict)
+    targets: dict[tuple[float, int], int] = dataclasses.field(default_factory=dict)  # queued
+    streams: dict[str, Entry] = dataclasses.field(default_factory=dict)  # decoding entries
 
 
 class Ledger:
@@ -152,7 +174,8 @@ class Ledger:
         if entry.prefill is None:
             d.local_tokens += entry.prompt_tokens
             d.local_sq_tokens += float(entry.prompt_tokens) ** 2
-        d.targets[entry.slo.tpot_s] = d.targets.get(entry.slo.tpot_s, 0) + 1
+        key = (entry.slo.tpot_s, _pow2(entry.predicted_output))
+        d.targets[key] = d.targets.get(key, 0) + 1
 
     def prefilled(self, request_id: str) -> Entry | None:
         """The prefill leg answered: the prefill instance's share is released."""
@@ -162,8 +185,16 @@ class Ledger:
             self._release_prefill(entry)
         return entry
 
-    def progress(self, request_id: str, generated: int) -> Entry | None:
-        """`generated` output tokens so far; the first report above 0 marks it decoding."""
+    def progress(
+        self,
+        request_id: str,
+        generated: int,
+        now: float,
+        first_token_at: float | None = None,
+    ) -> Entry | None:
+        """`generated` output tokens so far, reported at `now`. The first report above 0 marks
+        it decoding; its first token was seen at `first_token_at` (default `now`: a front door
+        reports every token as it passes)."""
         entry = self.entries.get(request_id)
         if entry is None:
             return None
@@ -174,6 +205,7 @@ class Ledger:
         d = self.accounts[entry.decode]
         if not entry.decoding and generated > 0:
             entry.decoding = True
+            entry.first_token_at = first_token_at if first_token_at is not None else now
             self._start_decoding(entry, d)
         if generated > entry.generated:
             left = entry.predicted_output - entry.generated
@@ -194,19 +226,13 @@ class Ledger:
             return entry
         d = self.accounts[entry.decode]
         d.inflight -= 1
-        if entry.decoding:
-            d.decoding -= 1
-        else:
+        if not entry.decoding:
             self._start_decoding(entry, d)
-            d.decoding -= 1
+        d.decoding -= 1
+        del d.streams[entry.request_id]
         d.predicted_left -= max(0.0, entry.predicted_output - entry.generated)
         if d.inflight == 0:
             d.predicted_left = 0.0  # no float residue once idle
-        left = d.targets[entry.slo.tpot_s] - 1
-        if left:
-            d.targets[entry.slo.tpot_s] = left
-        else:
-            del d.targets[entry.slo.tpot_s]
         return entry
 
     def expired(self, now: float, ttl: float) -> list[Entry]:
@@ -225,6 +251,8 @@ class Ledger:
         d.queued -= 1
         d.queued_tokens -= entry.prompt_tokens
         d.decoding += 1
+        _uncount(d.targets, (entry.slo.tpot_s, _pow2(entry.predicted_output)))
+        d.streams[entry.request_id] = entry
         if entry.prefill is None:
             d.local_tokens -= entry.prompt_tokens
             d.local_sq_tokens -= float(entry.prompt_tokens) ** 2
@@ -244,6 +272,34 @@ class Ledger:
             p.queued_sq_tokens = 0.0
 
 
+def _pow2(tokens: float) -> int:
+    """The power of two at or below `tokens` (at least 1)."""
+    n = int(tokens)
+    return 1 << (n.bit_length() - 1) if n > 1 else 1
+
+
+def _uncount(counts: dict[tuple[float, int], int], key: tuple[float, int]) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+def budgets(acc: Account, now: float) -> TpotBudgets:
+    """The TPOT budgets of an account's in-flight requests at `now` (module docstring)."""
+    if not acc.targets and not acc.streams:
+        return NO_BUDGETS
+    counts = dict(acc.targets)
+    for entry in acc.streams.values():
+        key = (
+            round(entry.budget(now) * 2000.0) / 2000.0,  # 0.5 ms buckets
+            _pow2(entry.predicted_output - entry.generated),
+        )
+        counts[key] = counts.get(key, 0) + 1
+    return TpotBudgets.of((b, r, n) for (b, r), n in counts.items())
+
+
 _IDLE = Account()
 
 
@@ -253,10 +309,12 @@ def view(
     account: Account | None,
     gauges: Gauges | None,
     *,
+    now: float = 0.0,
     healthy: bool = True,
     profile: CalibrationProfile | None = None,
 ) -> InstanceSnapshot:
-    """The instance as the policies see it: scraped gauges combined with the router's account."""
+    """The instance as the policies see it at `now`: scraped gauges combined with the router's
+    account."""
     acc = account if account is not None else _IDLE
     running = waiting = kv_used = 0
     if gauges is not None:
@@ -286,7 +344,7 @@ def view(
         queued=acc.queued,
         queued_tokens=acc.queued_tokens,
         remaining_output_tokens=max(float(acc.decoding), acc.predicted_left),
-        tpot_targets=tuple(sorted(acc.targets.items())),
+        tpot_budgets=budgets(acc, now),
         local_prefill_tokens=acc.local_tokens,
         local_prefill_sq_tokens=acc.local_sq_tokens,
         healthy=healthy,

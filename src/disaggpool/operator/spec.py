@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES
+from disaggpool.core.policies.registry import CALIBRATED_FAMILY, NEEDS_DATASHEET, POLICY_NAMES
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, Section
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # The router cannot run `uncalibrated` (it needs datasheet profiles per pod, which a pool lacks).
-ROUTER_POLICIES: tuple[str, ...] = tuple(p for p in POLICY_NAMES if p != "uncalibrated")
+ROUTER_POLICIES: tuple[str, ...] = tuple(p for p in POLICY_NAMES if p not in NEEDS_DATASHEET)
 # Flags the operator sets itself; a user's extraArgs repeating them would silently break P/D.
 MANAGED_VLLM_FLAGS = (
     "--port",
@@ -360,9 +360,10 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
 
     rt = spec.section("router")
     slo = _slo_classes(rt)
+    policy = rt.string("policy", "calibrated")
     router = RouterSpec(
         image=rt.string("image") or default_image,
-        policy=rt.string("policy", "calibrated"),
+        policy=policy,
         replicas=rt.integer("replicas", 1, minimum=0),
         slo_classes=slo,
         default_slo_class=rt.string("defaultSloClass", slo[0].name if slo else ""),
@@ -370,7 +371,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
         max_inflight=rt.integer("maxInflight", 512, minimum=1),
         decode_binding=rt.string("decodeBinding", "arrival"),
-        pd_decider=rt.boolean("pdDecider", False),
+        pd_decider=rt.boolean("pdDecider", policy in CALIBRATED_FAMILY),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         resources=rt.section("resources").data,
     )

@@ -14,7 +14,12 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from disaggpool.core.contracts import Role, SLOClass
-from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES, PolicyOptions
+from disaggpool.core.policies.registry import (
+    CALIBRATED_FAMILY,
+    NEEDS_DATASHEET,
+    POLICY_NAMES,
+    PolicyOptions,
+)
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import FieldReader, read_slo_classes
@@ -140,8 +145,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     top = rd.mapping(doc, "<document>")
     rd.known(top, "", _TOP)
     policy = rd.string(top.get("policy", "calibrated"), "policy")
-    if policy not in POLICY_NAMES or policy == "uncalibrated":
-        valid = ", ".join(p for p in POLICY_NAMES if p != "uncalibrated")
+    if policy not in POLICY_NAMES or policy in NEEDS_DATASHEET:
+        valid = ", ".join(p for p in POLICY_NAMES if p not in NEEDS_DATASHEET)
         raise rd.fail("policy", f"unknown policy {policy!r}; valid: {valid}")
     classes = read_slo_classes(rd, top.get("slo_classes"))
     default = top.get("default_slo_class")
@@ -178,7 +183,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     if binding not in ("arrival", "late"):
         raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
     kwargs["decode_binding"] = binding
-    pd_decider = rd.boolean(top.get("pd_decider", False), "pd_decider")
+    # On by default where it applies: it is what the calibrated policy is for (README, ablation).
+    pd_decider = rd.boolean(top.get("pd_decider", policy in CALIBRATED_FAMILY), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
         raise rd.fail("pd_decider", f"prices in seconds: needs a calibrated policy, not {policy!r}")
     below = top.get("local_prefill_below", 0)

@@ -294,8 +294,12 @@ class RoutingService:
     def prefilled(self, request_id: str) -> bool:
         return self.state.prefilled(request_id)
 
-    def progress(self, request_id: str, generated: int) -> bool:
-        return self.state.progress(request_id, generated)
+    def progress(
+        self, request_id: str, generated: int, first_token_at: float | None = None
+    ) -> bool:
+        """`generated` output tokens so far; `first_token_at` (default: now) is when the first
+        was seen, for a reporter that knows it better than the report's arrival."""
+        return self.state.progress(request_id, generated, self.clock(), first_token_at)
 
     def finished(
         self,

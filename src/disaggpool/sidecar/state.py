@@ -123,9 +123,11 @@ class PoolState:
         self._touched(entry)
         return entry is not None
 
-    def progress(self, request_id: str, generated: int) -> bool:
+    def progress(
+        self, request_id: str, generated: int, now: float, first_token_at: float | None = None
+    ) -> bool:
         """`generated` output tokens so far; the first call with > 0 marks it decoding."""
-        entry = self.ledger.progress(request_id, generated)
+        entry = self.ledger.progress(request_id, generated, now, first_token_at)
         self._touched(entry)
         return entry is not None
 
@@ -172,12 +174,14 @@ class PoolState:
             if inst.removed:
                 continue
             snap = inst.view
-            if snap is None:
+            acc = accounts.get(name)
+            if snap is None or (acc is not None and acc.streams):  # budgets shrink with time
                 snap = inst.view = view(
                     name,
                     inst.role,
-                    accounts.get(name),
+                    acc,
                     inst.gauges,
+                    now=now,
                     healthy=inst.healthy,
                     profile=inst.profile,
                 )

@@ -75,9 +75,10 @@ class RouterReplica:
         self._gauges[name] = gauges
         self.ledger.scraped(name)
 
-    def progress(self, req: EngineRequest, produced: int) -> None:
-        """`produced` output tokens of `req` reached its client (what the front door counts)."""
-        self.ledger.progress(req.key, produced)
+    def progress(self, req: EngineRequest, produced: int, now: float) -> None:
+        """`produced` output tokens of `req` reached its client by `now`, the first of them at
+        its first-token time (what the front door counts as the tokens pass)."""
+        self.ledger.progress(req.key, produced, now, req.first_token)
 
     # ---------------------------------------------------------------- the view
     def _scrape(self, now: float) -> None:
@@ -103,7 +104,7 @@ class RouterReplica:
             for req, produced in d.produced_by(now):
                 entry = entries.get(req.key)
                 if entry is not None and produced > entry.generated:
-                    self.progress(req, produced)
+                    self.progress(req, produced, now)
         accounts = self.ledger.accounts
         gauges = self._gauges
         profiles = self.profiles
@@ -115,6 +116,7 @@ class RouterReplica:
                     "prefill",
                     accounts.get(e.name),
                     gauges.get(e.name),
+                    now=now,
                     profile=profiles[e.name],
                 )
                 for e in self.prefill
@@ -125,6 +127,7 @@ class RouterReplica:
                     "decode",
                     accounts.get(e.name),
                     gauges.get(e.name),
+                    now=now,
                     profile=profiles[e.name],
                 )
                 for e in self.decode

@@ -17,7 +17,12 @@ from typing import Any
 import yaml
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import CALIBRATED_FAMILY, POLICY_NAMES, PolicyOptions
+from disaggpool.core.policies.registry import (
+    CALIBRATED_FAMILY,
+    NEEDS_DATASHEET,
+    POLICY_NAMES,
+    PolicyOptions,
+)
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
@@ -114,8 +119,10 @@ def load_scenario(path: str | Path) -> Scenario:
     datasheet = None
     if "datasheet" in doc:
         datasheet = _profile(rd, doc["datasheet"], "datasheet", base)
-    elif "uncalibrated" in policies:
-        raise rd.fail("datasheet", "required by the uncalibrated policy")
+    elif NEEDS_DATASHEET & set(policies):
+        raise rd.fail(
+            "datasheet", f"required by {', '.join(sorted(NEEDS_DATASHEET & set(policies)))}"
+        )
     predictor = doc.get("predictor", "online")
     try:
         make_predictor(str(predictor))
@@ -161,7 +168,7 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             late_binding=binding == "late",
         ),
         PolicyOptions(
-            pd_decider=rd.boolean(r.get("pd_decider", False), "router.pd_decider"),
+            pd_decider=rd.boolean(r.get("pd_decider", True), "router.pd_decider"),
             local_prefill_below=(
                 rd.integer(below, "router.local_prefill_below", minimum=0) if below else 0
             ),

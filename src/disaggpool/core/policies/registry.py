@@ -21,9 +21,10 @@ from disaggpool.core.policies.baselines import (
 )
 from disaggpool.core.policies.calibrated import CalibratedPolicy
 from disaggpool.core.policies.deciders import ThresholdDecider
+from disaggpool.core.policies.study import StudyWeightedPolicy
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["CALIBRATED_FAMILY", "POLICY_NAMES", "PolicyOptions", "make_policy"]
+__all__ = ["CALIBRATED_FAMILY", "NEEDS_DATASHEET", "POLICY_NAMES", "PolicyOptions", "make_policy"]
 
 Datasheet = Mapping[str, CalibrationProfile]
 
@@ -61,6 +62,10 @@ _FACTORIES: dict[str, Factory] = {
     "uncalibrated": lambda ds, o: CalibratedPolicy(
         "uncalibrated", profiles=_require(ds), pd_decider=o.pd_decider
     ),
+    "study_weighted": lambda _, o: StudyWeightedPolicy(),
+    "study_weighted_datasheet": lambda ds, o: StudyWeightedPolicy(
+        "study_weighted_datasheet", profiles=_require(ds)
+    ),
 }
 
 #: The policies `PolicyOptions.pd_decider` applies to.
@@ -69,9 +74,13 @@ CALIBRATED_FAMILY: frozenset[str] = frozenset({"calibrated", "calibrated_greedy"
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
+#: Policies that score with datasheet constants (they need `datasheet=`).
+NEEDS_DATASHEET: frozenset[str] = frozenset({"uncalibrated", "study_weighted_datasheet"})
+
+
 def _require(datasheet: Datasheet | None) -> Datasheet:
     if datasheet is None:
-        raise ValueError("the uncalibrated policy needs datasheet profiles for every instance")
+        raise ValueError("the datasheet policies need datasheet profiles for every instance")
     return datasheet
 
 
