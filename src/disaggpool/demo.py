@@ -53,13 +53,14 @@ import yaml
 from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.policies.registry import default_options
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
-from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
 from disaggpool.sim.runner import RunSpec, execute
 
@@ -80,6 +81,7 @@ MAX_NUM_SEQS = 64
 TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10
+SCRAPE_INTERVAL_S = 0.5  # the sidecars' scrape interval, which the simulator plays too
 SEARCH_BRACKET = (0.5, 40.0)  # req/s: the operating-point search's bracket
 SEARCH_STEPS = 14  # bisection steps: the bracket narrowed to 2.4 milli-req/s
 
@@ -167,6 +169,9 @@ def simulated_run(
         slo_classes=(slo,),
         seed=seed,
         jitter=JITTER,
+        # what the sidecar below runs: its scrape interval and the policy's default switches
+        router=RouterOptions(scrape_interval_s=SCRAPE_INTERVAL_S),
+        options=default_options(policy),
     )
 
 
@@ -380,7 +385,7 @@ def _serve_policy(
         "model": builtin_profile("a40-llama3-8b").model,
         "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
         "slo_classes": [{"name": slo.name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}],
-        "scrape_interval_s": 0.5,
+        "scrape_interval_s": SCRAPE_INTERVAL_S,
         "tokenizer": {"kind": "emulator"},
         "pool": {
             "static": {

@@ -258,3 +258,22 @@ def test_route_decode_keeps_the_prefill_and_prices_the_elapsed_time() -> None:
     )
     with pytest.raises(NoCapacityError, match="p9"):
         make_policy("length").route_decode(REQ, snap, random.Random(0), "p9", 0.0)
+
+
+def test_study_weighted_scores_backlog_service_and_queue_in_its_own_units() -> None:
+    """The study's form: equal boards, one with 3,000 tokens of backlog: it loses; the same
+    backlog with a tighter class weighs more (sigma), so the other instance wins by more."""
+    policy = make_policy("study_weighted")
+    snap = pool(
+        [decode("d0", remaining_output_tokens=3000.0, running=10), decode("d1", running=10)]
+    )
+    assert policy.route(REQ, snap, random.Random(0)).decode == "d1"
+    # prefill: the work (queued + own tokens) times the board's seconds per prompt token
+    snap = pool([decode("d0")], [prefill("p0", queued_tokens=4000), prefill("p1", profile=SLOW)])
+    assert policy.route(REQ, snap, random.Random(0)).prefill == "p1"  # slower, but idle
+    # the datasheet twin scores with the datasheet's constants, whatever the instances believe
+    ds = builtin_profile("a40-llama3-8b-datasheet")
+    twin = make_policy("study_weighted_datasheet", datasheet={"d0": ds, "p0": ds, "p1": ds})
+    assert twin.route(REQ, snap, random.Random(0)).policy == "study_weighted_datasheet"
+    with pytest.raises(ValueError, match="datasheet"):
+        make_policy("study_weighted_datasheet")

@@ -21,7 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import CALIBRATED_FAMILY, NEEDS_DATASHEET, POLICY_NAMES
+from disaggpool.core.policies.registry import (
+    CALIBRATED_FAMILY,
+    NEEDS_DATASHEET,
+    POLICY_NAMES,
+    default_options,
+)
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, Section
@@ -371,7 +376,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
         max_inflight=rt.integer("maxInflight", 512, minimum=1),
         decode_binding=rt.string("decodeBinding", "arrival"),
-        pd_decider=rt.boolean("pdDecider", policy in CALIBRATED_FAMILY),
+        pd_decider=rt.boolean("pdDecider", default_options(policy).pd_decider),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         resources=rt.section("resources").data,
     )

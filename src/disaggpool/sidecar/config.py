@@ -19,6 +19,7 @@ from disaggpool.core.policies.registry import (
     NEEDS_DATASHEET,
     POLICY_NAMES,
     PolicyOptions,
+    default_options,
 )
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
@@ -183,8 +184,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     if binding not in ("arrival", "late"):
         raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
     kwargs["decode_binding"] = binding
-    # On by default where it applies: it is what the calibrated policy is for (README, ablation).
-    pd_decider = rd.boolean(top.get("pd_decider", policy in CALIBRATED_FAMILY), "pd_decider")
+    default = default_options(policy)
+    pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
         raise rd.fail("pd_decider", f"prices in seconds: needs a calibrated policy, not {policy!r}")
     below = top.get("local_prefill_below", 0)

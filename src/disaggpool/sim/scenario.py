@@ -50,8 +50,10 @@ class Scenario:
     router: RouterOptions = dataclasses.field(default_factory=RouterOptions)
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
-    def _blind_options(self) -> PolicyOptions:
-        """The switches that apply to a policy without a cost model (no `pd_decider`)."""
+    def _options(self, policy: str) -> PolicyOptions:
+        """The file's switches as they apply to `policy` (`pd_decider` needs a cost model)."""
+        if policy in CALIBRATED_FAMILY:
+            return self.options
         return dataclasses.replace(self.options, pd_decider=False)
 
     def specs(self) -> list[RunSpec]:
@@ -68,7 +70,7 @@ class Scenario:
                 predictor=self.predictor,
                 jitter=self.jitter,
                 router=self.router,
-                options=self.options if policy in CALIBRATED_FAMILY else self._blind_options(),
+                options=self._options(policy),
             )
             for seed in self.seeds
             for policy in self.policies

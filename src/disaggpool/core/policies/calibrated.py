@@ -7,12 +7,16 @@ For each request:
    predicted TTFT (including that prefill and the KV transfer) and TPOT.
 3. Among instances allowed by the scarcity guard, the one with the fewest expected SLO
    violations wins, ties broken by ACT. The violations counted are the request's own (predicted
-   TTFT or TPOT over its class target) plus those of the in-flight requests there whose TPOT target
-   lies between the step time without and with this request (they were on course and it would
-   push them over). Goodput counts requests, so when a class cannot be met anywhere the request
-   goes where it breaks nobody else's SLO: in a burst the overflow lands on an instance that is
-   already late rather than spreading lateness over every instance. The decision then says
-   `slo_feasible=False`.
+   TTFT or TPOT over its class target) plus those of the in-flight requests there whose TPOT
+   budget (the time per remaining token they can still afford) lies between the step time
+   without and with this request (they were on course and it would push them over). Goodput
+   counts requests, so when a class cannot be met anywhere the request goes where it breaks
+   nobody else's SLO: in a burst the overflow lands on an instance that is already late rather
+   than spreading lateness over every instance. The decision then says `slo_feasible=False`.
+4. With the P/D decider (`pd_decider`, on by default through `registry.default_options`): the
+   same for every decode instance prefilling the prompt itself; that local path is taken when it
+   causes fewer violations than step 3's choice (COSTMODEL.md, "The local path").
+5. Late binding (`route_decode`): steps 2-3 alone, when the prefill leg has returned.
 
 **Scarcity guard (bounded load).** Greedy ACT minimisation trusts its estimates most exactly when
 they are worst: when the pool is overloaded, every instance has a long admission queue, the queue

@@ -24,7 +24,14 @@ from disaggpool.core.policies.deciders import ThresholdDecider
 from disaggpool.core.policies.study import StudyWeightedPolicy
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["CALIBRATED_FAMILY", "NEEDS_DATASHEET", "POLICY_NAMES", "PolicyOptions", "make_policy"]
+__all__ = [
+    "CALIBRATED_FAMILY",
+    "NEEDS_DATASHEET",
+    "POLICY_NAMES",
+    "PolicyOptions",
+    "default_options",
+    "make_policy",
+]
 
 Datasheet = Mapping[str, CalibrationProfile]
 
@@ -45,6 +52,13 @@ class PolicyOptions:
     def __post_init__(self) -> None:
         if self.local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {self.local_prefill_below}")
+
+
+def default_options(policy: str) -> PolicyOptions:
+    """The switches a router runs `policy` with unless told otherwise: the P/D decider is on for
+    the calibrated policies (it is where they earn most; README, ablation), everything else off.
+    The sidecar's config, the CRD, scenario files and the demo all default to this."""
+    return PolicyOptions(pd_decider=policy in CALIBRATED_FAMILY)
 
 
 Factory = Callable[[Datasheet | None, PolicyOptions], Policy]
