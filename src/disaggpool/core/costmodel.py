@@ -18,7 +18,13 @@ from typing import NamedTuple
 from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["DecodeEstimate", "decode_estimate", "local_prefill_time", "prefill_ready_time"]
+__all__ = [
+    "DecodeEstimate",
+    "decode_estimate",
+    "local_estimate",
+    "local_prefill_time",
+    "prefill_ready_time",
+]
 
 #: Fraction of the KV capacity kept free before admission waits (vLLM keeps a watermark too).
 KV_HEADROOM = 0.02
@@ -41,6 +47,12 @@ class DecodeEstimate(NamedTuple):
     """Seconds of delay the request imposes on the sequences already there."""
     slo_harm: int
     """In-flight requests on course for their TPOT target that the added step time would break."""
+    tau_s: float = 0.0
+    """The step time of the batch the request joins (kept for `local_estimate`)."""
+    wait_s: float = 0.0
+    """Admission wait plus the stalls of local prefills queued there (kept for `local_estimate`)."""
+    ahead: int = 0
+    """Sequences there before the request (kept for `local_estimate`)."""
 
 
 def prefill_ready_time(
@@ -145,24 +157,47 @@ def decode_estimate(
 
     # Local prefills queued there stall every step they run in: r waits for them too.
     stall = local_prefill_time(inst, prof)
-    if local:
-        # r's own prompt is prefilled in the step it joins, which stalls every sequence there
-        # for that long; spread over their remaining tokens it raises their TPOT.
-        own = prof.prefill.prompt_time(n)
-        ttft = prefill_ready_s + wait + stall + own + tau
-        harm += b_ahead * own
-        if inst.tpot_budgets and b_ahead:
-            # A stall of `own` seconds breaks a request whose remaining tokens cannot absorb it:
-            # its slack in seconds is (budget - tau) * remaining tokens.
-            # Only budgets in [tau, tau + own) can break (a request has at least one token left).
-            b = inst.tpot_budgets
-            i = bisect.bisect_left(b.seconds, tau)
-            end = len(b.seconds)
-            while i < end and b.seconds[i] < tau + own:
-                if (b.seconds[i] - tau) * b.tokens[i] < own:
-                    slo_harm += b.counts[i]
-                i += 1
-    else:
-        ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
+    ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
     act = wait + o * tau + harm
-    return DecodeEstimate(act, ttft, tau + penalty / o, harm, slo_harm)
+    est = DecodeEstimate(act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead)
+    return local_estimate(req, inst, prof, est, prefill_ready_s) if local else est
+
+
+def local_estimate(
+    req: RequestFeatures,
+    inst: InstanceSnapshot,
+    prof: CalibrationProfile,
+    remote: DecodeEstimate,
+    elapsed_s: float = 0.0,
+) -> DecodeEstimate:
+    """The same placement on the local path: `inst` prefills `req`'s prompt itself in the step it
+    joins (no prefill queue, no KV transfer), stalling every sequence there for that long.
+
+    Derived from the two-leg estimate of the same instance (`remote`), so pricing both paths
+    costs one full estimate per instance (COSTMODEL.md, "The local path")."""
+    own = prof.prefill.prompt_time(req.prompt_tokens)
+    tau = remote.tau_s
+    ahead = remote.ahead
+    slo_harm = remote.slo_harm
+    if inst.tpot_budgets and ahead:
+        # A stall of `own` seconds breaks a request whose remaining tokens cannot absorb it: its
+        # slack in seconds is (budget - tau) * remaining tokens. Only budgets in [tau, tau + own)
+        # can break (a request has at least one token left).
+        b = inst.tpot_budgets
+        i = bisect.bisect_left(b.seconds, tau)
+        end = len(b.seconds)
+        while i < end and b.seconds[i] < tau + own:
+            if (b.seconds[i] - tau) * b.tokens[i] < own:
+                slo_harm += b.counts[i]
+            i += 1
+    stall_harm = ahead * own
+    return DecodeEstimate(
+        remote.act_s + stall_harm,
+        elapsed_s + remote.wait_s + own + tau,
+        remote.tpot_s,
+        remote.harm_s + stall_harm,
+        slo_harm,
+        tau,
+        remote.wait_s,
+        ahead,
+    )

@@ -188,8 +188,8 @@ class CalibratedPolicy:
             if allowed[idx] and key < best_key:
                 best, best_key = idx, key
         chosen = estimates[best]
-        if local_ok:
-            local = self._local(req, decodes, d_profiles, allowed)
+        if local_ok and best_key[0] > 0.0:  # only a placement that breaks an SLO can be beaten
+            local = self._local(req, decodes, d_profiles, allowed, estimates)
             if local is not None:
                 l_idx, l_est = local
                 if _violations(l_est, slo) < best_key[0]:
@@ -204,6 +204,7 @@ class CalibratedPolicy:
         decodes: Sequence[InstanceSnapshot],
         d_profiles: Sequence[CalibrationProfile],
         allowed: Sequence[bool],
+        estimates: Sequence[costmodel.DecodeEstimate],
     ) -> tuple[int, costmodel.DecodeEstimate] | None:
         """The best decode instance to prefill `req` itself, by (violations, ACT)."""
         best: tuple[int, costmodel.DecodeEstimate] | None = None
@@ -211,7 +212,7 @@ class CalibratedPolicy:
         for idx, inst in enumerate(decodes):
             if not allowed[idx]:
                 continue
-            est = costmodel.decode_estimate(req, inst, d_profiles[idx], 0.0, local=True)
+            est = costmodel.local_estimate(req, inst, d_profiles[idx], estimates[idx])
             key = (_violations(est, req.slo), est.act_s)
             if key < best_key:
                 best, best_key = (idx, est), key
