@@ -277,3 +277,22 @@ def test_study_weighted_scores_backlog_service_and_queue_in_its_own_units() -> N
     assert twin.route(REQ, snap, random.Random(0)).policy == "study_weighted_datasheet"
     with pytest.raises(ValueError, match="datasheet"):
         make_policy("study_weighted_datasheet")
+
+
+def test_a_sheddable_request_that_would_miss_everywhere_is_shed() -> None:
+    """Only a class marked sheddable is shed, only when even the best placement misses its own
+    SLO, and only by a policy that priced every instance."""
+    queued = {"queued": 40, "queued_tokens": 40_000, "queued_sq_tokens": 40 * 1000.0**2}
+    busy = pool(
+        [decode("d0", running=250, kv_tokens_used=180_000), decode("d1", running=250)],
+        [prefill("p0", **queued), prefill("p1", **queued)],
+    )
+    hopeless = dataclasses.replace(REQ, slo=SLOClass("batch", 0.5, 0.02, sheddable=True))
+    assert make_policy("calibrated").route(hopeless, busy, random.Random(0)).shed
+    kept = dataclasses.replace(hopeless, slo=SLOClass("batch", 0.5, 0.02))
+    d = make_policy("calibrated").route(kept, busy, random.Random(0))
+    assert not d.shed and d.slo_feasible is False
+    fine = dataclasses.replace(REQ, slo=SLOClass("batch", 60.0, 1.0, sheddable=True))
+    assert not make_policy("calibrated").route(fine, busy, random.Random(0)).shed
+    for name in ("round_robin", "least_loaded", "length", "p2c"):
+        assert not make_policy(name).route(hopeless, busy, random.Random(0)).shed

@@ -285,6 +285,24 @@ def test_read_slo_classes_puts_the_default_first() -> None:
     assert read_slo_classes(_raising(), raw[:1])[0].name == "chat"
 
 
+def test_a_class_may_be_sheddable_in_both_readers() -> None:
+    raw = [{"name": "batch", "ttft_s": 10, "tpot_s": 1.0, "sheddable": True}]
+    assert read_slo_classes(_raising(), raw) == (SLOClass("batch", 10.0, 1.0, sheddable=True),)
+    with pytest.raises(InputError, match=r"slo_classes\[0\]\.sheddable: must be true or false"):
+        read_slo_classes(_raising(), [{**raw[0], "sheddable": "yes"}])
+    classes = [{"name": "batch", "ttftSeconds": 10, "tpotSeconds": 1, "sheddable": True}]
+    spec, issues = parse_spec(
+        {
+            "model": {"name": "m"},
+            "engine": {"image": "i"},
+            "router": {"sloClasses": classes},
+        },
+        "img",
+    )
+    assert not issues and spec is not None
+    assert spec.router.slo_classes[0].sheddable
+
+
 @pytest.mark.parametrize(
     ("raw", "text"),
     [
@@ -299,7 +317,8 @@ def test_read_slo_classes_puts_the_default_first() -> None:
         ([{"name": "a", "ttft_s": 1}], "f.yaml: slo_classes[0].tpot_s: must be a number, got None"),
         (
             [{"name": "a", "ttft_s": 1, "tpot_s": 1, "tbt": 2}],
-            "f.yaml: slo_classes[0].tbt: unknown field (allowed: default, name, tpot_s, ttft_s)",
+            "f.yaml: slo_classes[0].tbt: unknown field "
+            "(allowed: default, name, sheddable, tpot_s, ttft_s)",
         ),
         (
             [{"name": "a", "ttft_s": 1, "tpot_s": 1}, {"name": "a", "ttft_s": 2, "tpot_s": 2}],

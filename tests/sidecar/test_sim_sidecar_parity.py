@@ -27,7 +27,7 @@ from disaggpool.core.predictor import make_predictor
 from disaggpool.engine.request import EngineRequest
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sidecar.config import Member, SidecarConfig
-from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.service import RoutingService, Shed
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.pools import build_pool
 from disaggpool.sim.router import RouterReplica
@@ -231,3 +231,21 @@ def test_a_late_bound_request_books_its_decode_pod_only_when_bound() -> None:
     with pytest.raises(Exception, match="awaiting its decode pod"):
         service.bind_decode("r0")
     assert dataclasses.replace(bound, decode=None).decode is None
+
+
+def test_a_sheddable_request_that_would_be_late_is_refused_with_its_own_error() -> None:
+    specs = build_pool(1, 2, QWEN, seed=4)
+    members = tuple(Member(s.name, s.role, f"http://{s.name}") for s in specs)  # type: ignore[arg-type]
+    classes = (SLO, SLOClass("batch", 0.001, 0.001, sheddable=True))
+    config = SidecarConfig(policy="calibrated", model="m", slo_classes=classes)
+    service = RoutingService(config, seed=0, clock=lambda: 0.0)
+    service.state.set_members(members)
+    for s in specs:
+        service.state.set_profile(s.name, s.believed_profile, 0.0)
+    with pytest.raises(Shed, match="sheddable"):
+        service.route("r0", 700, "batch")
+    assert service.inflight == 0  # nothing booked
+    assert service.route("r1", 700, "chat").prefill is not None  # a kept class is served
+    text = service.metrics.render().decode()
+    assert 'disaggpool_requests_total{outcome="shed",slo_class="batch"} 1.0' in text
+    assert 'disaggpool_rejected_requests_total{reason="shed"} 1.0' in text

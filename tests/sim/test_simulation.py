@@ -223,3 +223,36 @@ def test_router_options_are_checked() -> None:
             seed=1,
             router=RouterOptions(replicas=2),
         )
+
+
+def test_shedding_refuses_only_sheddable_requests_and_counts_them_missed() -> None:
+    """At twice the load a 2+4 pool carries, a sheddable class is shed where it would be late;
+    shed requests count against goodput and the others do better for it."""
+    reqs = trace(n=500, rate=40.0)
+    classes = {
+        "chat": SLOClass("chat", 1.7, 0.065, sheddable=True),
+        "code": SLOClass("code", 3.5, 0.133),
+    }
+    outcomes = {}
+    for label, slo in (("kept", SLO), ("shed", classes)):
+        sim = Simulation(
+            build_pool(2, 4, A40, seed=1),
+            policies=[make_policy("calibrated", options=PolicyOptions(pd_decider=True))],
+            predictor=make_predictor("online"),
+            slo_classes=slo,
+            default_class="chat",
+            seed=1,
+        )
+        outcomes[label] = (sim.run(reqs), slo)
+    shed_outcome, slo = outcomes["shed"]
+    assert shed_outcome.shed and all(r.slo_class == "chat" for r in shed_outcome.shed)
+    assert all(r.finish < 0 and r.first_token < 0 for r in shed_outcome.shed)
+    summary = summarize(shed_outcome, slo)
+    assert summary["misses"]["shed"] == len(shed_outcome.shed) == summary["shed"]
+    met = sum(
+        1 for r in shed_outcome.requests if r.finish >= 0 and slo[r.slo_class].met(r.ttft, r.tpot)
+    )
+    assert summary["goodput"] == pytest.approx(met / len(reqs), abs=1e-6)
+    kept = summarize(*outcomes["kept"])
+    assert kept["misses"]["shed"] == 0
+    assert summary["classes"]["code"]["goodput"] >= kept["classes"]["code"]["goodput"]

@@ -37,11 +37,18 @@ Fallback = Literal["median-profile", "least-loaded"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SLOClass:
-    """A request class: a request meets its SLO when TTFT <= ttft_s and TPOT <= tpot_s."""
+    """A request class: a request meets its SLO when TTFT <= ttft_s and TPOT <= tpot_s.
+
+    `sheddable`: a request of this class that the router predicts cannot meet its SLO without
+    breaking another's is refused at once (the sidecar answers 429) instead of being served late;
+    it still counts as missed, and the capacity it would have taken goes to requests that can
+    make it. Only the calibrated policies shed (they price every instance).
+    """
 
     name: str
     ttft_s: float
     tpot_s: float
+    sheddable: bool = False
 
     def met(self, ttft: float, tpot: float) -> bool:
         return ttft <= self.ttft_s and tpot <= self.tpot_s
@@ -159,6 +166,9 @@ class RouteDecision:
     `slo_feasible` is None when the policy did not evaluate the SLO, False when the scorer found no
     instance on which the class target can be met (the request was then placed to protect
     others), True otherwise. `guarded` says the scarcity guard overrode the cheapest instance.
+    `shed`: the request's class is sheddable and the placement breaking the fewest SLOs still
+    misses its own: the router refuses it rather than serve it late (only a policy that priced
+    every instance says so).
     """
 
     prefill: str | None
@@ -169,3 +179,4 @@ class RouteDecision:
     slo_feasible: bool | None = None
     guarded: bool = False
     fallback: Fallback | None = None
+    shed: bool = False

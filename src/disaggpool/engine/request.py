@@ -34,6 +34,7 @@ class EngineRequest:
     generated: int = 0  # tokens already produced before a preemption
     recompute: bool = False
     rejected: bool = False  # an engine refused it (prompt longer than it can ever hold)
+    shed: bool = False  # the router refused it (a sheddable class that would miss its SLO)
     key: str = ""  # the request id a router knows it by (str(index) unless set)
 
     def __post_init__(self) -> None:

@@ -270,7 +270,8 @@ class Section:
 
 
 def read_slo_classes(rd: FieldReader, raw: Any, path: str = "slo_classes") -> tuple[SLOClass, ...]:
-    """A non-empty list of ``{name, ttft_s, tpot_s[, default]}``; the default class comes first.
+    """A non-empty list of ``{name, ttft_s, tpot_s[, default, sheddable]}``; the default class
+    comes first.
 
     For the config files (scenario, sidecar); it raises at problems it cannot read past. The
     operator's ``router.sloClasses`` differ (camelCase keys, defaulted when absent, a separate
@@ -281,13 +282,14 @@ def read_slo_classes(rd: FieldReader, raw: Any, path: str = "slo_classes") -> tu
     for i, item in enumerate(rd.nonempty_list(raw, path)):
         at = f"{path}[{i}]"
         c = rd.mapping(item, at)
-        rd.known(c, at, {"name", "ttft_s", "tpot_s", "default"})
+        rd.known(c, at, {"name", "ttft_s", "tpot_s", "default", "sheddable"})
         if not isinstance(c.get("name"), str) or not c["name"]:
             raise rd.fail(f"{at}.name", "missing or not a string")
         slo = SLOClass(
             c["name"],
             rd.number(c.get("ttft_s"), f"{at}.ttft_s", positive=True),
             rd.number(c.get("tpot_s"), f"{at}.tpot_s", positive=True),
+            rd.boolean(c.get("sheddable", False), f"{at}.sheddable"),
         )
         if c.get("default"):
             default = slo

@@ -237,7 +237,9 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "model": spec.model.served_model_name,
         "listen": {"grpc": f"0.0.0.0:{ROUTER_GRPC_PORT}", "http": f"0.0.0.0:{ROUTER_HTTP_PORT}"},
         "slo_classes": [
-            {"name": c.name, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s} for c in r.slo_classes
+            {"name": c.name, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s}
+            | ({"sheddable": True} if c.sheddable else {})
+            for c in r.slo_classes
         ],
         "default_slo_class": r.default_slo_class,
         "predictor": r.predictor,

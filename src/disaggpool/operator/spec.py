@@ -288,6 +288,7 @@ def _slo_classes(router: Section) -> tuple[SLOClassSpec, ...]:
                 name,
                 c.number("ttftSeconds", 1.0, positive=True),
                 c.number("tpotSeconds", 0.05, positive=True),
+                c.boolean("sheddable", False),
             )
         )
     return tuple(out)

@@ -30,6 +30,7 @@ from disaggpool.sidecar.service import (
     Routed,
     RoutingService,
     ServiceError,
+    Shed,
 )
 from disaggpool.sidecar.tokens import PromptCounter, TokenizeError
 
@@ -39,6 +40,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
 _CODES = {
     BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Shed: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoCapacity: grpc.StatusCode.UNAVAILABLE,
     Duplicate: grpc.StatusCode.ALREADY_EXISTS,
 }

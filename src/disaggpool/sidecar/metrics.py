@@ -11,11 +11,12 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   every pod (``median-profile``: a pod scored with the median trusted profile;
   ``least-loaded``: none trusted, in-flight counts used);
 * `disaggpool_requests_total{slo_class,outcome}`: finished requests, outcome ``met``,
-  ``missed`` (completed outside its SLO), ``failed``, or ``aborted`` (the client left; not
-  the router's doing, so outside goodput); goodput of a class is met / (met + missed + failed);
+  ``missed`` (completed outside its SLO), ``failed``, ``shed`` (a request of a sheddable class
+  refused because it would miss its SLO), or ``aborted`` (the client left; not the router's
+  doing, so outside goodput); goodput of a class is met / (met + missed + failed + shed);
 * `disaggpool_goodput_ratio{slo_class}`: the same over the last `window` finished requests;
 * `disaggpool_rejected_requests_total{reason}`: refused before routing (overload, no capacity,
-  bad request);
+  bad request) or at routing (shed);
 * `disaggpool_prediction_relative_error{quantity}`: |predicted - observed| / observed for
   ``ttft`` and ``tpot`` (histogram), the calibration-drift signal;
 * `disaggpool_traffic_heterogeneity`: CV of per-request token work over the window
@@ -153,7 +154,8 @@ class SidecarMetrics:
         self._met: dict[str, int] = {}
 
     def outcome(self, slo_class: str, outcome: str) -> None:
-        """Count a finished request: outcome is met, missed or failed."""
+        """Count a finished request: outcome is met, missed, failed or shed (a sheddable request
+        refused because it would miss its SLO; it counts against goodput like a miss)."""
         self.requests.labels(slo_class, outcome).inc()
         window = self._outcomes.setdefault(slo_class, collections.deque())
         met = self._met.get(slo_class, 0) + (outcome == "met")

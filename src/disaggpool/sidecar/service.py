@@ -8,9 +8,9 @@ or, with `decode_binding: late`, its decode pod until the prefill leg returns (`
 predictor, the goodput and heterogeneity signals and the predicted-vs-observed error. Synchronous
 and loop-confined: no awaits, so a decision is atomic.
 
-Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT / 400),
-`Overloaded` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503), `Duplicate`
-(ALREADY_EXISTS / 409).
+Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
+400), `Overloaded` and its `Shed` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503),
+`Duplicate` (ALREADY_EXISTS / 409).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "Routed",
     "RoutingService",
     "ServiceError",
+    "Shed",
 ]
 
 log = logging.getLogger("disaggpool.sidecar")
@@ -64,6 +65,10 @@ class Overloaded(ServiceError):
 
 class NoCapacity(ServiceError):
     pass
+
+
+class Shed(Overloaded):
+    """The request's class is sheddable and it would miss its SLO: refused rather than late."""
 
 
 class Duplicate(ServiceError):
@@ -154,6 +159,13 @@ class RoutingService:
             self.metrics.rejected.labels("no_capacity").inc()
             raise NoCapacity(str(exc)) from None
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if decision.shed:
+            self.metrics.rejected.labels("shed").inc()
+            self.metrics.outcome(slo.name, "shed")
+            raise Shed(
+                f"class {slo.name!r} is sheddable and no pod can serve this request within its "
+                f"SLO now (predicted TTFT {decision.predicted_ttft_s or 0.0:.3f} s)"
+            )
         late = self.config.decode_binding == "late" and decision.prefill is not None
         self._account(decision, bound=not late)
         p = self.state.instances[decision.prefill] if decision.prefill is not None else None

@@ -71,7 +71,8 @@ class SimOutcome:
     """Everything a run produced: per-request records and per-instance counters."""
 
     requests: list[EngineRequest]
-    rejected: list[EngineRequest]
+    rejected: list[EngineRequest]  # refused by an engine
+    shed: list[EngineRequest]  # refused by the router (sheddable classes)
     preemptions: dict[str, int]
     served: dict[str, int]
     end_time: float
@@ -177,6 +178,7 @@ class Simulation:
         return SimOutcome(
             requests=reqs,
             rejected=rejected,
+            shed=[r for r in reqs if r.shed],
             preemptions={e.name: e.preemptions for e in self.decode},
             served={e.name: self._served[i] for i, e in enumerate(self._engines)},
             end_time=max((r.finish for r in done), default=0.0),
@@ -201,6 +203,9 @@ class Simulation:
         router = self._router(req)
         policy = self.policies[req.index % len(self.policies)]
         decision = policy.route(features, router.snapshot(now), self.rng)
+        if decision.shed:  # refused at the door: it counts as missed, it takes no capacity
+            req.shed = True
+            return
         if decision.prefill is None:  # the P/D decider's local path: the decode engine prefills
             req.decode_instance = decision.decode
             router.routed(req, None, decision.decode, slo, now)

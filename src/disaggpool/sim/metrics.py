@@ -1,13 +1,13 @@
 """Run metrics: goodput (fraction of requests meeting their SLO), latency percentiles, load.
 
 Goodput follows the study: a request counts when its TTFT and its TPOT (mean time per output token
-after the first) both meet its class's targets; a request that was rejected or never finished counts
-as missed. Every miss is attributed to the term that broke (`misses`: TTFT only, TPOT only, both, or
-never finished), so an experiment says which pool limited it: TTFT misses come from prefill queueing
-and decode admission, TPOT misses from crowded decode batches. Percentiles are nearest-rank, so
-results are exact and deterministic. Called by `sim.runner.execute` for every simulated run; pure.
-The percentile itself is `core.stats.percentile`, shared with the load generator so both report the
-same statistic.
+after the first) both meet its class's targets; a request that was rejected or never finished
+counts as missed. Every miss is attributed to the term that broke (`misses`: TTFT only, TPOT only,
+both, shed by the router, or never finished), so an experiment says which pool limited it: TTFT
+misses come from prefill queueing and decode admission, TPOT misses from crowded decode batches.
+Percentiles are nearest-rank, so results are exact and deterministic. Called by
+`sim.runner.execute` for every simulated run; pure. The percentile itself is
+`core.stats.percentile`, shared with the load generator so both report the same statistic.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _latency(ttfts: Sequence[float], tpots: Sequence[float]) -> dict[str, float]
 def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[str, Any]:
     """Goodput and percentiles overall and per SLO class, plus per-instance load."""
     per_class: dict[str, dict[str, list[float]]] = {}
-    misses = {"ttft": 0, "tpot": 0, "both": 0, "unfinished": 0}
+    misses = {"ttft": 0, "tpot": 0, "both": 0, "shed": 0, "unfinished": 0}
     met_total = 0
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -42,7 +42,7 @@ def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[
         bucket = per_class.setdefault(r.slo_class, {"ttft": [], "tpot": [], "met": []})
         if r.finish < 0:
             bucket["met"].append(0.0)
-            misses["unfinished"] += 1
+            misses["shed" if r.shed else "unfinished"] += 1
             continue
         ttft, tpot = r.ttft, r.tpot
         slo = slo_classes[r.slo_class]
@@ -69,6 +69,7 @@ def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[
         "requests": n,
         "completed": len(ttfts),
         "rejected": len(outcome.rejected),
+        "shed": len(outcome.shed),
         "goodput": round(met_total / n, 6) if n else math.nan,
         "misses": misses,
         **_latency(ttfts, tpots),

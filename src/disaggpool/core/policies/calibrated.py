@@ -228,15 +228,19 @@ class CalibratedPolicy:
         fallback: bool,
     ) -> RouteDecision:
         slo = req.slo
+        # The chosen placement breaks the fewest SLOs of all it priced: if even it misses the
+        # request's own, serving it anywhere costs at least one miss (its own or others').
+        feasible = chosen.ttft_s <= slo.ttft_s and chosen.tpot_s <= slo.tpot_s
         return RouteDecision(
             prefill=prefill,
             decode=decode,
             policy=self.name,
             predicted_ttft_s=chosen.ttft_s,
             predicted_tpot_s=chosen.tpot_s,
-            slo_feasible=chosen.ttft_s <= slo.ttft_s and chosen.tpot_s <= slo.tpot_s,
+            slo_feasible=feasible,
             guarded=guarded,
             fallback="median-profile" if fallback else None,
+            shed=slo.sheddable and not feasible,
         )
 
     def _allowed(
