@@ -1,6 +1,7 @@
 """The `disaggpool` command: one entry point, one subcommand per job.
 
-    disaggpool sim paper [--quick] [--json FILE] [--plots DIR] [--workers N]
+    disaggpool sim paper [--quick] [--setup both|llama8b|paper] [--json FILE] [--plots DIR]
+                         [--workers N]
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool profile list
     disaggpool profile show NAME|FILE [--format yaml|json]
@@ -58,9 +59,13 @@ def _write_json(doc: Any, path: str | None) -> None:
 
 
 def cmd_sim_paper(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from disaggpool.sim import paper, report
 
     cfg = paper.PaperConfig.quick() if args.quick else paper.PaperConfig()
+    if args.setup != "both":
+        cfg = dataclasses.replace(cfg, setups=(args.setup,))
     start = time.perf_counter()
     doc = paper.run_paper(cfg, workers=args.workers, progress=_progress("sim paper"))
     print(report.tables(doc))
@@ -223,8 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sim.add_parser("paper", help="reproduce the 'Calibrate, Then Route' experiments")
     p.add_argument("--quick", action="store_true", help="every experiment, small (under a minute)")
+    p.add_argument(
+        "--setup",
+        choices=("both", "llama8b", "paper"),
+        default="both",
+        help="llama8b (Llama-3-8B, 8 GPUs, derived SLOs), paper (the study's Qwen2.5-3B 2P+4D "
+        "configuration) or both (default)",
+    )
     p.add_argument("--json", metavar="FILE", help="write all rows as JSON")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots of the sweeps")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots of every experiment")
     p.add_argument(
         "--workers", type=int, default=None, help="worker processes (default: CPU count)"
     )

@@ -1,19 +1,40 @@
 """`disaggpool sim paper`: the "Calibrate, Then Route" experiments, reproduced in our simulator.
 
-The setup (hardware, traffic, SLO targets, pool split, operating rates) is derived once by
-`sim.paper_setup` from the traces of `sim.paper_traces` and the sizes of `PaperConfig`. This
-module lays out the experiments on it and runs them:
+Two setups, every row tagged with its own (``"setup"``):
 
-* ``main``: all policies x 3 traces x seeds, each trace at its operating rate;
-* ``ablation``: calibrated vs the same scorer on datasheet constants, on pools with growing
-  hardware speed spread, each at its own operating point;
-* ``pool_size``: 3..16 decode instances, each pool at its own operating point;
-* ``heterogeneity``: log-normal length spread and SLO mix, each at its own operating point;
-* ``scarcity``: up to 3x the operating rate;
-* ``gpu_count``: 4..8 GPUs at the rate 7 GPUs carry, each count at its best split for that rate.
+* ``llama8b``: Llama-3-8B on 8 A40s, the split found by placement search, three Azure mixed
+  traces with arrival CV 2/3/4, SLOs as multiples of unloaded latency (`sim.paper_setup`);
+* ``paper``: the study's own configuration, Qwen2.5-3B on 2P+4D A40s with its fixed SLOs at two
+  levels (rows carry ``"slo"``: ``tight`` or ``loose``) (`sim.paper_study`).
 
-The sweeps' operating points are found by one lockstep search (`sim.operating_point`), so all
-their bisection runs of a step run in parallel. Called by the CLI (`cmd_sim_paper`).
+Every trace (and SLO level) runs at the rate at which round-robin attains 0.85 goodput on it, and
+every sweep point or case at its own such rate. The experiments (`EXPERIMENTS`, in output order):
+
+* ``main`` (both setups): every policy label x 3 traces x seeds;
+* ``ablation`` (paper, tight): what each lever of ``calibrated`` earns (rows carry ``"variant"``);
+* ``robustness`` (paper, tight): four cases (rows carry ``"case"``), each at its own point;
+* ``pool_size`` (llama8b): 3..16 decode instances (``"decode_pool"``);
+* ``heterogeneity`` (llama8b): log-normal length spread and SLO mix (``"length_sigma"``);
+* ``scarcity`` (llama8b): up to 3x the operating rate (``"load"``);
+* ``hardware_spread`` (llama8b): calibrated vs datasheet constants on pools whose instances spread
+  more in speed (``"hardware_spread"``);
+* ``gpu_count`` (both setups): 4..8 GPUs (paper: 3..8) at the rate round-robin carries at 0.85 on
+  7 GPUs (``"gpus"``). llama8b: each count at its best split for that rate (of the three nearest
+  the main pool's ratio, by a round-robin probe); paper: prefill = round(G/3), the study's ratio.
+
+The document `run_paper` returns (and ``--json`` writes):
+
+* ``setups``: per setup run, its derived constants (profile, split, SLO targets, rates, traces);
+* ``experiments``: experiment -> list of rows (`sim.runner.execute`'s row plus ``setup``, ``slo``
+  for the paper setup, the experiment's own key above, and ``rate_rps`` where one rate applies);
+  each row's ``policy`` is a label of `paper_setup.LABELS` (``calibrated`` = the P/D decider on,
+  as the product runs it), its ``options``, ``router`` and ``predictor`` say what ran;
+* ``findings``: `report.findings`, whose keys its docstring documents.
+
+The searches run lockstep (`paper_setup.solve_searches`) in three stages: everything the
+configuration alone fixes (llama8b's placement, all of the paper setup's rates), then llama8b's
+sweep points (they need its split), then llama8b's GPU-count split probe; then every run of both
+setups at once. Called by the CLI (`cmd_sim_paper`).
 """
 
 from __future__ import annotations
@@ -23,69 +44,93 @@ from typing import Any
 
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import capacity, report, workload
-from disaggpool.sim.operating_point import Progress, SearchProblem, operating_rates
+from disaggpool.sim.operating_point import Progress, SearchProblem
 from disaggpool.sim.paper_config import PaperConfig
-from disaggpool.sim.paper_setup import SEARCH_POLICY, Setup, make_setup, paper_run, rate_search
+from disaggpool.sim.paper_setup import (
+    SEARCH_POLICY,
+    SWEEP_LABELS,
+    Setup,
+    llama8b_setup,
+    paper_run,
+    placed,
+    placement_searches,
+    rate_search,
+    solve_searches,
+)
+from disaggpool.sim.paper_study import Study
 from disaggpool.sim.paper_traces import synthetic_trace
 from disaggpool.sim.runner import RunSpec, run_all
 
-__all__ = ["EXPERIMENTS", "PaperConfig", "build_specs", "run_paper"]
+__all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_paper"]
 
-ALL_POLICIES = (
+LLAMA8B_LABELS = (
     "round_robin",
+    "random",
     "least_loaded",
     "length",
-    "random",
     "p2c",
-    "uncalibrated",
+    "length+local<512",
     "calibrated",
+    "uncalibrated",
 )
-SWEEP_POLICIES = ("round_robin", "least_loaded", "length", "calibrated")
-SCARCITY_POLICIES = ("round_robin", "random", "calibrated_greedy", "calibrated")
-ABLATION_POLICIES = ("least_loaded", "uncalibrated", "calibrated")
+SCARCITY_LABELS = ("round_robin", "random", "calibrated_greedy", "calibrated")
+SPREAD_LABELS = ("least_loaded", "uncalibrated", "calibrated")
 
-EXPERIMENTS = ("main", "ablation", "pool_size", "heterogeneity", "scarcity", "gpu_count")
+EXPERIMENTS = (
+    "main",
+    "ablation",
+    "robustness",
+    "pool_size",
+    "heterogeneity",
+    "scarcity",
+    "hardware_spread",
+    "gpu_count",
+)
 """The experiments, in the order of the output document."""
 
 
 def build_specs(
-    cfg: PaperConfig, setup: Setup, *, workers: int | None = None, progress: Progress | None = None
-) -> dict[str, list[RunSpec]]:
-    """Every run of every experiment, keyed by experiment (in `EXPERIMENTS` order).
+    cfg: PaperConfig, *, workers: int | None = None, progress: Progress | None = None
+) -> tuple[dict[str, Any], dict[str, list[RunSpec]]]:
+    """The ``setups`` block and every run of every experiment, keyed by experiment (in
+    `EXPERIMENTS` order).
 
-    Runs the sweeps' operating-point searches (one lockstep search) and the GPU-count split
-    probe; the experiments' own runs are returned, not run.
+    Runs the operating-point searches and llama8b's GPU-count split probe; the experiments' own
+    runs are returned, not run.
     """
-    experiments = _Experiments(cfg, setup)
-    searches = {
-        "ablation": experiments.ablation_searches(),
-        "pool_size": experiments.pool_size_searches(),
-        "heterogeneity": experiments.heterogeneity_searches(),
-        "gpu_count": [experiments.gpu_count_search()],
-    }
-    found = iter(
-        operating_rates(
-            [p for group in searches.values() for p in group],
-            steps=cfg.bisection_steps,
-            workers=workers,
-            progress=progress,
+    steps = cfg.bisection_steps
+    llama = llama8b_setup(cfg) if "llama8b" in cfg.setups else None
+    study = Study.build(cfg) if "paper" in cfg.setups else None
+    first: dict[str, list[SearchProblem]] = {}
+    if llama:
+        first["llama8b"] = placement_searches(llama, cfg)
+    if study:
+        first |= study.searches()
+    rates = solve_searches(first, steps=steps, workers=workers, progress=progress)
+    setups: dict[str, Any] = {}
+    specs: dict[str, list[RunSpec]] = {name: [] for name in EXPERIMENTS}
+    if llama:
+        llama = placed(llama, cfg, rates["llama8b"])
+        experiments = _Experiments(cfg, llama)
+        sweeps = solve_searches(
+            experiments.searches(), steps=steps, workers=workers, progress=progress
         )
-    )
-    rates = {name: [next(found) for _ in group] for name, group in searches.items()}
-    return {
-        "main": experiments.main(),
-        "ablation": experiments.ablation(rates["ablation"]),
-        "pool_size": experiments.pool_size(rates["pool_size"]),
-        "heterogeneity": experiments.heterogeneity(rates["heterogeneity"]),
-        "scarcity": experiments.scarcity(),
-        "gpu_count": experiments.gpu_count(rates["gpu_count"][0], workers=workers),
-    }
+        for name, group in experiments.specs(sweeps, workers=workers).items():
+            specs[name] += group
+        setups["llama8b"] = llama.describe(cfg)
+    if study:
+        study = study.rated(rates)
+        for name, group in study.specs().items():
+            specs[name] += group
+        setups["paper"] = study.describe()
+    return setups, specs
 
 
 class _Experiments:
-    """The runs of each experiment on one setup, and the searches for the sweeps' rates.
+    """The runs of each llama8b experiment, and the searches for the sweeps' rates.
 
-    Every experiment but ``main`` runs on mixed trace 0 and its history.
+    Every experiment but ``main`` runs on mixed trace 0 and its history; the sweeps run every
+    seed (the bands of their plots), their operating points are searched with the first.
     """
 
     def __init__(self, cfg: PaperConfig, setup: Setup) -> None:
@@ -102,33 +147,68 @@ class _Experiments:
             synthetic_trace(self.base, sigma, cfg, self.seed) for sigma in cfg.heterogeneity
         ]
 
+    def searches(self) -> dict[str, list[SearchProblem]]:
+        """The sweeps' operating-point searches, by experiment (`specs` takes their rates)."""
+        return {
+            "hardware_spread": self._spread_searches(),
+            "pool_size": self._pool_size_searches(),
+            "heterogeneity": self._heterogeneity_searches(),
+            "gpu_count": [self._gpu_count_search()],
+        }
+
+    def specs(
+        self, rates: dict[str, list[float]], *, workers: int | None
+    ) -> dict[str, list[RunSpec]]:
+        """The runs of every llama8b experiment (runs the GPU-count split probe)."""
+        return {
+            "main": self._main(),
+            "pool_size": self._pool_size(rates["pool_size"]),
+            "heterogeneity": self._heterogeneity(rates["heterogeneity"]),
+            "scarcity": self._scarcity(),
+            "hardware_spread": self._spread(rates["hardware_spread"]),
+            "gpu_count": self._gpu_count(rates["gpu_count"][0], workers=workers),
+        }
+
+    def _run(
+        self,
+        experiment: str,
+        trace_name: str,
+        trace: Sequence[TraceRequest],
+        history: Sequence[TraceRequest],
+        split: tuple[int, int],
+        label: str,
+        seed: int,
+        **extra: Any,
+    ) -> RunSpec:
+        return paper_run(
+            self.setup, experiment, trace_name, trace, history, *split, label, seed, **extra
+        )
+
     def _sweep_trace(self, rate: float, n: int | None = None) -> list[TraceRequest]:
         """Trace 0 at `rate`, its first `n` requests (default `cfg.sweep_requests`)."""
         return _head(workload.rescale(self.base, rate), self.cfg.sweep_requests if n is None else n)
 
-    def main(self) -> list[RunSpec]:
-        s, cfg = self.setup, self.cfg
+    def _main(self) -> list[RunSpec]:
+        s = self.setup
         return [
-            paper_run(
-                s,
+            self._run(
                 "main",
                 f"mixed-{k}",
                 workload.rescale(t, s.rates[k]),
                 h,
-                self.n_p,
-                self.n_d,
-                policy,
+                s.split,
+                label,
                 seed,
                 rate_rps=round(s.rates[k], 4),
             )
             for k, (t, h) in enumerate(zip(s.traces, s.histories, strict=True))
-            for seed in cfg.seeds
-            for policy in ALL_POLICIES
+            for seed in self.cfg.seeds
+            for label in LLAMA8B_LABELS
         ]
 
     # Calibration matters most where instances differ: the same comparison on pools whose boards
     # spread more in speed (mixed clocks, thermal limits, degraded links).
-    def ablation_searches(self) -> list[SearchProblem]:
+    def _spread_searches(self) -> list[SearchProblem]:
         return [
             rate_search(
                 self.setup,
@@ -144,24 +224,22 @@ class _Experiments:
             for sigma in self.cfg.hardware_spread
         ]
 
-    def ablation(self, rates: Sequence[float]) -> list[RunSpec]:
+    def _spread(self, rates: Sequence[float]) -> list[RunSpec]:
         return [
-            paper_run(
-                self.setup,
-                "ablation",
+            self._run(
+                "hardware_spread",
                 "mixed-0",
                 self._sweep_trace(rate),
                 self.history,
-                self.n_p,
-                self.n_d,
-                policy,
+                self.setup.split,
+                label,
                 seed,
                 speed_sigma=sigma,
                 hardware_spread=sigma,
             )
             for sigma, rate in zip(self.cfg.hardware_spread, rates, strict=True)
             for seed in self.cfg.seeds
-            for policy in ABLATION_POLICIES
+            for label in SPREAD_LABELS
         ]
 
     # Each pool size at its own operating point, so that every size is compared equally hot; the
@@ -169,7 +247,7 @@ class _Experiments:
     def _pool_requests(self, d: int) -> int:
         return self.cfg.sweep_requests * d // self.n_d
 
-    def pool_size_searches(self) -> list[SearchProblem]:
+    def _pool_size_searches(self) -> list[SearchProblem]:
         return [
             rate_search(
                 self.setup,
@@ -184,25 +262,24 @@ class _Experiments:
             for p, d in self.sizes
         ]
 
-    def pool_size(self, rates: Sequence[float]) -> list[RunSpec]:
+    def _pool_size(self, rates: Sequence[float]) -> list[RunSpec]:
         return [
-            paper_run(
-                self.setup,
+            self._run(
                 "pool_size",
                 "mixed-0",
                 self._sweep_trace(rate, self._pool_requests(d)),
                 self.history,
-                p,
-                d,
-                policy,
-                self.seed,
+                (p, d),
+                label,
+                seed,
                 decode_pool=d,
             )
             for (p, d), rate in zip(self.sizes, rates, strict=True)
-            for policy in SWEEP_POLICIES
+            for seed in self.cfg.seeds
+            for label in SWEEP_LABELS
         ]
 
-    def heterogeneity_searches(self) -> list[SearchProblem]:
+    def _heterogeneity_searches(self) -> list[SearchProblem]:
         s = self.setup
         return [
             rate_search(
@@ -220,46 +297,44 @@ class _Experiments:
             for t, h in self.synthetic
         ]
 
-    def heterogeneity(self, rates: Sequence[float]) -> list[RunSpec]:
+    def _heterogeneity(self, rates: Sequence[float]) -> list[RunSpec]:
         return [
-            paper_run(
-                self.setup,
+            self._run(
                 "heterogeneity",
                 f"lognormal-{sigma}",
                 workload.rescale(t, rate),
                 h,
-                self.n_p,
-                self.n_d,
-                policy,
-                self.seed,
+                self.setup.split,
+                label,
+                seed,
                 length_sigma=sigma,
             )
             for sigma, (t, h), rate in zip(
                 self.cfg.heterogeneity, self.synthetic, rates, strict=True
             )
-            for policy in SWEEP_POLICIES
+            for seed in self.cfg.seeds
+            for label in SWEEP_LABELS
         ]
 
-    def scarcity(self) -> list[RunSpec]:
+    def _scarcity(self) -> list[RunSpec]:
         return [
-            paper_run(
-                self.setup,
+            self._run(
                 "scarcity",
                 "mixed-0",
                 self._sweep_trace(self.rate * load),
                 self.history,
-                self.n_p,
-                self.n_d,
-                policy,
-                self.seed,
+                self.setup.split,
+                label,
+                seed,
                 load=load,
             )
             for load in self.cfg.scarcity_loads
-            for policy in SCARCITY_POLICIES
+            for seed in self.cfg.seeds
+            for label in SCARCITY_LABELS
         ]
 
     # The rate 7 GPUs carry at the operating point; each GPU count at its best split for it.
-    def gpu_count_search(self) -> SearchProblem:
+    def _gpu_count_search(self) -> SearchProblem:
         p7, d7 = _near_split(7, self.n_p, self.n_d)[1]
         return rate_search(
             self.setup,
@@ -272,35 +347,33 @@ class _Experiments:
             limit=self.cfg.sweep_requests,
         )
 
-    def gpu_count(self, rate7: float, *, workers: int | None) -> list[RunSpec]:
+    def _gpu_count(self, rate7: float, *, workers: int | None) -> list[RunSpec]:
         trace = self._sweep_trace(rate7)
         candidates = {g: _near_split(g, self.n_p, self.n_d) for g in self.cfg.gpu_counts}
         probe = [
-            paper_run(
-                self.setup, "split", "mixed-0", trace, self.history, p, d, SEARCH_POLICY, self.seed
-            )
+            self._run("split", "mixed-0", trace, self.history, split, SEARCH_POLICY, self.seed)
             for g in self.cfg.gpu_counts
-            for p, d in candidates[g]
+            for split in candidates[g]
         ]
         goodput = iter(r["goodput"] for r in run_all(probe, workers=workers))
         specs: list[RunSpec] = []
         for gpus in self.cfg.gpu_counts:
             scored = [(next(goodput), -p, (p, d)) for p, d in candidates[gpus]]
-            p, d = max(scored)[2]
+            split = max(scored)[2]
             specs += [
-                paper_run(
-                    self.setup,
+                self._run(
                     "gpu_count",
                     "mixed-0",
                     trace,
                     self.history,
-                    p,
-                    d,
-                    policy,
-                    self.seed,
+                    split,
+                    label,
+                    seed,
                     gpus=gpus,
+                    rate_rps=round(rate7, 4),
                 )
-                for policy in SWEEP_POLICIES
+                for seed in self.cfg.seeds
+                for label in SWEEP_LABELS
             ]
         return specs
 
@@ -325,9 +398,9 @@ def run_paper(
     workers: int | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """All experiments; returns the JSON document (``{"setup", "experiments", "findings"}``)."""
-    setup = make_setup(cfg, workers=workers, progress=progress)
-    specs = build_specs(cfg, setup, workers=workers, progress=progress)
+    """All experiments of the configured setups; returns the JSON document
+    (``{"setups", "experiments", "findings"}``, see the module docstring)."""
+    setups, specs = build_specs(cfg, workers=workers, progress=progress)
     flat = [s for group in specs.values() for s in group]
     total = len(flat)
     done = 0
@@ -342,8 +415,4 @@ def run_paper(
     experiments: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPERIMENTS}
     for spec, row in zip(flat, rows, strict=True):
         experiments[spec.experiment].append(row)
-    return {
-        "setup": setup.describe(cfg),
-        "experiments": experiments,
-        "findings": report.findings(experiments),
-    }
+    return {"setups": setups, "experiments": experiments, "findings": report.findings(experiments)}
