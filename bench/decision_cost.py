@@ -4,8 +4,9 @@ What it measures
 ----------------
 Wall time of a single ``route`` call for pools of 4 prefill and 8, 32 or 128 decode instances,
 for the calibrated policy and the round_robin, least_loaded and length baselines (all built with
-``make_policy``). Only ``route`` is timed: building the snapshot (done by the simulator's
-``RouterReplica`` or by the sidecar's scraper) is not part of it.
+``make_policy`` and each policy's default switches, ``registry.default_options``: the calibrated
+policy with its P/D decider on, as the sidecar runs it). Only ``route`` is timed: building the
+snapshot (done by the simulator's ``RouterReplica`` or by the sidecar's scraper) is not part of it.
 
 Inputs are realistic and fixed by seed. Profiles are the *believed* profiles of
 ``sim.pools.build_pool(4, n_decode, builtin_profile("a40-llama3-8b"), seed=1)`` (per-instance speed
@@ -55,7 +56,7 @@ from disaggpool.core.contracts import (
 )
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import Policy
-from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.policies.registry import default_options, make_policy
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.core.stats import percentile
 from disaggpool.formats.traces import TraceRequest
@@ -205,7 +206,7 @@ def measure(quick: bool) -> dict[str, Any]:
     for n_decode in DECODE_SIZES:
         cases = scenarios(n_decode, trace, slo)
         iterations = ITERATIONS[n_decode] // (10 if quick else 1)
-        policies = {name: make_policy(name) for name in POLICIES}
+        policies = {name: make_policy(name, options=default_options(name)) for name in POLICIES}
         check = policies["calibrated"].route(*cases[0], random.Random(0))
         if check.policy != "calibrated":
             raise RuntimeError(f"calibrated policy fell back: {check.policy}")

@@ -8,8 +8,10 @@ What it measures
    PaperConfig())``: 12 minutes of both services, real lengths clipped to 7168/1024 tokens, Gamma
    arrivals with CV 2) rescaled with ``workload.rescale`` to 16 req/s, about the rate at which
    round-robin attains 0.85 goodput (the paper operating point, 14.6-16.2 req/s). For each policy
-   (round_robin, least_loaded, length, calibrated) the output-length predictor is warmed with the
-   trace's 2,000-request history, as ``sim.runner.execute`` does, and only ``Simulation.run`` is
+   (round_robin, least_loaded, length, calibrated; each with its default switches, the calibrated
+   one with its P/D decider; the router scraping every second, as ``sim paper`` runs them) the
+   output-length predictor is warmed with the trace's 2,000-request history, as
+   ``sim.runner.execute`` does, and only ``Simulation.run`` is
    timed (``time.perf_counter``), in this one process on one core. 15 repetitions (``--quick``:
    3, on the first 1,500 requests) are interleaved, the policy order rotated every repetition,
    so that load from elsewhere hits all policies alike; the table gives the median. ``x
@@ -47,11 +49,11 @@ from typing import Any
 import benchutil
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.policies.registry import default_options, make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import workload
-from disaggpool.sim.cluster import Simulation
+from disaggpool.sim.cluster import RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
 from disaggpool.sim.paper_config import PaperConfig
 from disaggpool.sim.pools import build_pool
@@ -73,7 +75,8 @@ def _simulation(
         predictor.observe(r.slo_class or default, r.prompt_tokens, r.output_tokens)
     return Simulation(
         build_pool(N_PREFILL, N_DECODE, builtin_profile(benchutil.PROFILE), SEED),
-        policies=[make_policy(policy)],
+        policies=[make_policy(policy, options=default_options(policy))],
+        router=RouterOptions(scrape_interval_s=1.0),  # what `sim paper` runs
         predictor=predictor,
         slo_classes=slo,
         default_class=default,

@@ -1,14 +1,16 @@
-"""Built-in hardware profiles for Llama-3-8B (BF16, TP1) on A40 and H100, measured and datasheet.
+"""Built-in hardware profiles: Llama-3-8B (BF16, TP1) on A40 and H100, and Qwen2.5-3B on A40.
 
-Two kinds per GPU, both derived in `docs/hardware-profiles.md` (§2 measured, §3 datasheet):
+Two kinds per GPU and model (`ModelShape`), both derived in `docs/hardware-profiles.md` (§2
+measured, §3 datasheet, §6 the Qwen2.5-3B pair of the study's configuration, with its 60k-token
+KV budget):
 
-* ``<gpu>-llama3-8b`` ("builtin"): what a calibration probe would measure. Roofline shape with
+* ``<gpu>-<model>`` ("builtin"): what a calibration probe would measure. Roofline shape with
   the *achieved* efficiencies read off Vidur's public operator profiles (A40: 0.56 TB/s, 100
   TFLOPS; H100: 2.4 TB/s, 640 TFLOPS), a scheduler/launch overhead per iteration, and a per-sequence
   CPU cost per decode step (sampling, detokenisation, scheduler bookkeeping: 0.1 ms on the A40
   host, 0.04 ms on the H100 host; an assumption, stated here). KV transfer: NIXL at 20 GB/s (A40,
   PCIe, no NVLink) and 45 GB/s (H100, 400 Gb/s RDMA), plus 2 / 1 ms of setup.
-* ``<gpu>-llama3-8b-datasheet`` ("datasheet"): what a simulator hands you without touching the
+* ``<gpu>-<model>-datasheet`` ("datasheet"): what a simulator hands you without touching the
   hardware: peak FLOPs and peak memory bandwidth, no overheads, nominal link bandwidth, KV capacity
   from memory arithmetic without activation headroom. The "uncalibrated" policy scores with these.
 
