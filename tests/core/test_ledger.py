@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.ledger import Entry, Gauges, Ledger, view
+from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, budgets, view
 
 SLO = SLOClass("c", 1.0, 0.1)
 
@@ -127,3 +127,24 @@ def test_budgets_shrink_as_a_request_falls_behind() -> None:
         1,
         0,
     )
+
+
+def test_budgets_are_reused_briefly_and_rebuilt_when_a_request_joins_or_ages() -> None:
+    """Within BUDGETS_REFRESH_S of the last pass an account's budgets are reused (token progress
+    alone does not rebuild them); a request joining, or time past the window, rebuilds them."""
+    led = Ledger()
+    led.routed(Entry("a", "p0", "d0", 100, 50.0, SLO, 0.0))
+    led.progress("a", 10, now=1.0, first_token_at=0.0)
+    acc = led.accounts["d0"]
+    first = budgets(acc, 1.0)
+    assert first.groups() == [(0.0975, 32, 1)]
+    led.progress("a", 11, now=1.0 + BUDGETS_REFRESH_S / 2, first_token_at=0.0)
+    assert budgets(acc, 1.0 + BUDGETS_REFRESH_S / 2) is first
+    # past the window: a rebuild, with the 11th token counted ((0.1 * 49 - 1.002) / 39 s)
+    aged = budgets(acc, 1.0 + 2 * BUDGETS_REFRESH_S)
+    assert aged is not first and aged.groups() == [(0.1, 32, 1)]
+    led.routed(Entry("b", "p0", "d0", 100, 50.0, SLO, 0.0))
+    joined = budgets(acc, 1.0 + 2 * BUDGETS_REFRESH_S)
+    assert joined is not aged and joined.groups() == [(0.1, 32, 2)]
+    # time running backwards (another replica's clock) never reuses
+    assert budgets(acc, 0.5) is not joined

@@ -63,7 +63,7 @@ def test_completion_through_the_front_door(
     assert out["usage"]["prompt_tokens"] == count["count"]
     assert out["usage"]["completion_tokens"] == 6
     assert out["choices"][0]["finish_reason"] == "length"
-    assert sidecar.call(lambda: len(sidecar.running.service.state.records)) == 0
+    assert sidecar.call(lambda: len(sidecar.running.service.state.ledger.entries)) == 0
 
 
 def test_streaming_chat_through_the_front_door(sidecar: Any, vocab_words: list[str]) -> None:

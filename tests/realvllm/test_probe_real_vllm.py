@@ -40,8 +40,8 @@ MAX_TPOT_ERROR = 0.75
 # chunks read in one burst fits microseconds (3-12 us were seen before it dropped such streams).
 MIN_STEP_S = 2e-4
 # The fitted single-sequence step against the engine's own inter-token histogram over one
-# request after the probe: the same machine and load, so a correct fit lands well within this
-# factor (prefill work leaking into the step, or a unit slip, would not).
+# request (the least of three) after the probe: the same machine and load, so a correct fit
+# lands well within this factor (prefill work leaking into the step, or a unit slip, would not).
 STEP_FACTOR = 3.0
 
 
@@ -138,6 +138,8 @@ def test_probe_fits_a_real_engine(single_engine: Any) -> None:
     assert p.ttft_mape is not None and math.isfinite(p.ttft_mape)
     assert p.tpot_mape is not None and math.isfinite(p.tpot_mape)
     assert p.ttft_mape < MAX_TTFT_ERROR and p.tpot_mape < MAX_TPOT_ERROR, summary
-    itl = engine_itl(single_engine.url, p.model, prompt_tokens=32, tokens=33)
+    # Noise on a shared 2-core machine only ever adds time to a gap (CI once read 8.9 ms for a
+    # 2.8 ms fit, the P/D pair busy beside it): the least of three requests is the engine's step.
+    itl = min(engine_itl(single_engine.url, p.model, prompt_tokens=32, tokens=33) for _ in range(3))
     fitted = p.decode.step(1, 32 + 16)
     assert itl / STEP_FACTOR < fitted < itl * STEP_FACTOR, (fitted, itl, summary)

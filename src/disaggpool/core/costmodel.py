@@ -124,10 +124,12 @@ def decode_estimate(
 
     # Whose TPOT target the extra step time breaks: in-flight requests meeting theirs without r.
     slo_harm = 0
-    if inst.tpot_budgets:
+    budgets = inst.tpot_budgets
+    if budgets.seconds:
         b_before = b_ahead if b_ahead < max_seqs else max_seqs
-        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * min(cap, k_ahead + b_before * growth)
-        slo_harm = inst.tpot_budgets.between(tau_before, tau)
+        k_before = k_ahead + b_before * growth
+        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * (k_before if k_before < cap else cap)
+        slo_harm = budgets.between(tau_before, tau)
 
     # Admission wait: requests that must finish before r gets a slot and its KV blocks.
     excess_seqs = b_join - max_seqs
@@ -144,7 +146,8 @@ def decode_estimate(
     harm = (b_run - 1) * (dm.d1 + dm.d2 * (n + 0.5 * o)) * overlap
 
     # Preemption risk: the KV peak while r runs against the capacity, under output uncertainty.
-    peak = k_ahead + n + b_run * min(o + req.output_uncertainty, r_bar)
+    grows = o + req.output_uncertainty
+    peak = k_ahead + n + b_run * (grows if grows < r_bar else r_bar)
     spread = req.output_uncertainty * math.sqrt(b_run) + prof.block_size
     z = (peak - cap) / spread
     if z > -4.0:
@@ -179,7 +182,7 @@ def local_estimate(
     tau = remote.tau_s
     ahead = remote.ahead
     slo_harm = remote.slo_harm
-    if inst.tpot_budgets and ahead:
+    if inst.tpot_budgets.seconds and ahead:
         # A stall of `own` seconds breaks a request whose remaining tokens cannot absorb it: its
         # slack in seconds is (budget - tau) * remaining tokens. Only budgets in [tau, tau + own)
         # can break (a request has at least one token left).

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
-from disaggpool.core.ledger import Entry, Gauges, Ledger, view
+from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, view
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.sidecar.config import Member
 
@@ -34,6 +34,7 @@ class Instance:
     profile_loaded_at: float = -1.0
     removed: bool = False  # gone from membership; kept while requests are still in flight
     view: InstanceSnapshot | None = None  # cached snapshot; None after any change
+    view_at: float = 0.0  # when it was built: its TPOT budgets age (core.ledger)
 
     @property
     def name(self) -> str:
@@ -174,16 +175,19 @@ class PoolState:
             if inst.removed:
                 continue
             snap = inst.view
-            acc = accounts.get(name)
-            if snap is None or (acc is not None and acc.streams):  # budgets shrink with time
+            # TPOT budgets shrink with time: a view carrying some is rebuilt once they are stale.
+            if snap is None or (
+                snap.tpot_budgets.seconds and not 0.0 <= now - inst.view_at < BUDGETS_REFRESH_S
+            ):
+                inst.view_at = now
                 snap = inst.view = view(
                     name,
-                    inst.role,
-                    acc,
+                    snap.role if snap is not None else inst.member.role,
+                    accounts.get(name),
                     inst.gauges,
                     now=now,
                     healthy=inst.healthy,
                     profile=inst.profile,
                 )
-            (prefill if inst.role == "prefill" else decode).append(snap)
+            (decode if snap.role == "decode" else prefill).append(snap)
         return PoolSnapshot(now=now, prefill=prefill, decode=decode)

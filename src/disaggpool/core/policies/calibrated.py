@@ -51,7 +51,7 @@ from disaggpool.core.contracts import (
 )
 from disaggpool.core.policies.base import healthy
 from disaggpool.core.policies.baselines import LeastLoaded
-from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.profile import CalibrationProfile, DecodeModel
 
 __all__ = ["CalibratedPolicy"]
 
@@ -90,6 +90,7 @@ class CalibratedPolicy:
         self.pd_decider = pd_decider
         self._override = profiles
         self._fallback = LeastLoaded()
+        self._weights: dict[int, tuple[DecodeModel, float]] = {}  # guard weights (_weight)
 
     def _profiles(
         self, instances: Sequence[InstanceSnapshot]
@@ -243,12 +244,26 @@ class CalibratedPolicy:
             shed=slo.sheddable and not feasible,
         )
 
+    def _weight(self, model: DecodeModel) -> float:
+        """Sequences per second at a reference batch: the guard's share of the pool. Cached by
+        identity (hashing the constants costs more than the step): a pod's profile object
+        changes only when it is re-probed. The entry keeps its model alive, so an id is never
+        reused while cached; the cache is cleared when it grows past any real pool."""
+        hit = self._weights.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        if len(self._weights) >= 4096:
+            self._weights.clear()
+        w = _REF_SEQS / model.step(_REF_SEQS, _REF_CONTEXT)
+        self._weights[id(model)] = (model, w)
+        return w
+
     def _allowed(
         self, decodes: Sequence[InstanceSnapshot], profiles: Sequence[CalibrationProfile]
     ) -> list[bool]:
         if self.guard_slack is None or len(decodes) == 1:
             return [True] * len(decodes)
-        weights = [_REF_SEQS / p.decode.step(_REF_SEQS, _REF_CONTEXT) for p in profiles]
+        weights = [self._weight(p.decode) for p in profiles]
         total_w = sum(weights)
         total = sum(i.inflight for i in decodes) + 1
         factor = (1.0 + self.guard_slack) * total / total_w
