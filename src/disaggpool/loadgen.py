@@ -9,6 +9,12 @@ from the final ``usage`` block; a request meets its SLO when both are within its
 (the class is sent as header ``X-SLO-Class``, which the disaggpool front door reads). A request
 that errors or is refused counts against goodput, and every one is accounted for in the report.
 
+Traces with prefix blocks (`TraceRequest.blocks`, e.g. the Mooncake trace): every block id becomes
+one fixed run of `block_tokens` token ids, drawn from a generator seeded by the id alone, and a
+prompt is its blocks' runs cut to `prompt_tokens`. Requests sharing leading ids therefore send
+identical leading tokens, so a real vLLM's prefix cache hits on them as it would on the traffic
+the trace recorded; without blocks every prompt is fresh random ids.
+
 `replay` is the library entry point (the demo calls it); `register` adds the subcommand.
 """
 
@@ -98,6 +104,18 @@ def _prompt(n: int, rng: random.Random, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def block_prompt(req: TraceRequest, vocab: int, runs: dict[int, list[int]]) -> list[int]:
+    """The prompt of a request with prefix blocks: each block id's fixed run of token ids (cached
+    in `runs`), cut to `req.prompt_tokens` (module docstring)."""
+    out: list[int] = []
+    for block in req.blocks:
+        run = runs.get(block)
+        if run is None:
+            run = runs[block] = _prompt(req.block_tokens, random.Random(block), vocab)
+        out.extend(run)
+    return out[: req.prompt_tokens]
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
@@ -177,7 +195,11 @@ async def replay(
     default = slo_classes[0].name
     url = target.rstrip("/")
     rng = random.Random(seed)
-    prompts = [_prompt(r.prompt_tokens, rng, vocab_size) for r in trace]
+    runs: dict[int, list[int]] = {}
+    prompts = [
+        block_prompt(r, vocab_size, runs) if r.blocks else _prompt(r.prompt_tokens, rng, vocab_size)
+        for r in trace
+    ]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

@@ -54,12 +54,17 @@ _LONG_FRACTION = re.compile(r"(\.\d{6})\d+")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a trace: arrival time (s from trace start), token counts, SLO class."""
+    """One request of a trace: arrival time (s from trace start), token counts, SLO class, and,
+    for traces with prefix structure (`formats.mooncake`, `sim.prefix_workload`), the ids of its
+    prompt's blocks of `block_tokens` tokens (the last one may be partial): requests whose leading
+    ids agree share that much prompt prefix."""
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     slo_class: str = ""
+    blocks: tuple[int, ...] = ()
+    block_tokens: int = 0
 
 
 _Row = tuple[int, list[str]]
@@ -67,13 +72,18 @@ _Row = tuple[int, list[str]]
 
 
 def read_trace(path: str | Path, *, default_class: str = "") -> list[TraceRequest]:
-    """Read a trace file in our format or the Azure 2023 format, sorted by arrival (stable).
+    """Read a trace file in our format, the Azure 2023 format or (a name ending in ``.jsonl`` or
+    ``.jsonl.gz``) the Mooncake format with prefix blocks, sorted by arrival (stable).
 
-    `default_class` is the SLO class of requests whose file gives none (Azure files, our format
-    without a ``slo_class`` column, or an empty ``slo_class`` cell).
+    `default_class` is the SLO class of requests whose file gives none (Azure and Mooncake files,
+    our format without a ``slo_class`` column, or an empty ``slo_class`` cell).
     Raises `InputError` for an unreadable, empty or malformed file.
     """
     source = str(path)
+    if source.endswith((".jsonl", ".jsonl.gz")):
+        from disaggpool.formats.mooncake import read_mooncake  # it builds on this module
+
+        return read_mooncake(path, default_class=default_class)
     try:
         # utf-8-sig drops a byte-order mark that spreadsheet exports put before the header.
         with open(path, encoding="utf-8-sig", newline="") as fh:
@@ -123,6 +133,8 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
     """
     items = list(requests)
     _check_writable(items)
+    if any(r.blocks for r in items):
+        raise ValueError("prefix blocks do not fit the CSV format: use formats.mooncake")
     with_class = any(r.slo_class for r in items)
     header = [*TRACE_HEADER, _CLASS_COLUMN] if with_class else list(TRACE_HEADER)
     with open(path, "w", encoding="utf-8", newline="") as fh:

@@ -26,11 +26,13 @@ from disaggpool.core.policies.registry import (
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
+from disaggpool.formats.embedded import EMBEDDED_TRACES, embedded_trace
 from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml, resolve_profile
 from disaggpool.formats.traces import TraceRequest, read_trace
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions
+from disaggpool.sim.prefix_workload import PrefixShape, prefix_sessions
 from disaggpool.sim.runner import RunSpec
 
 __all__ = ["Scenario", "load_scenario"]
@@ -226,12 +228,19 @@ def _trace(
     rd: FieldReader, raw: Any, base: Path, classes: set[str], seed: int
 ) -> list[TraceRequest]:
     spec = rd.mapping(raw, "trace")
-    rd.known(spec, "trace", {"file", "generate", "rate", "limit", "default_class"})
-    if ("file" in spec) == ("generate" in spec):
-        raise rd.fail("trace", "give exactly one of file or generate")
+    rd.known(spec, "trace", {"file", "embedded", "generate", "rate", "limit", "default_class"})
+    if sum(key in spec for key in ("file", "embedded", "generate")) != 1:
+        raise rd.fail("trace", "give exactly one of file, embedded or generate")
     if "file" in spec:
         file = base / str(spec["file"])
         trace = read_trace(file, default_class=str(spec.get("default_class", "")))
+    elif "embedded" in spec:
+        name = str(spec["embedded"])
+        if name not in EMBEDDED_TRACES:
+            raise rd.fail(
+                "trace.embedded", f"must be one of {', '.join(EMBEDDED_TRACES)}, got {name!r}"
+            )
+        trace = embedded_trace(name, default_class=str(spec.get("default_class", "")))
     else:
         trace = _generate(rd, rd.mapping(spec["generate"], "trace.generate"), seed)
     if "limit" in spec:
@@ -260,11 +269,15 @@ def _generate(rd: FieldReader, gen: Mapping[str, Any], seed: int) -> list[TraceR
             "on_s",
             "off_s",
             "burst_factor",
+            "prefix",
         },
     )
     rng = random.Random(f"scenario:{seed}")
     n = rd.integer(gen.get("n", 1000), "trace.generate.n")
     rate = rd.number(gen.get("rate", 1.0), "trace.generate.rate", positive=True)
+    shape = _prefix_shape(rd, gen["prefix"]) if "prefix" in gen else None
+    if shape is not None:  # the process then starts sessions, of turns_mean requests each
+        rate /= shape.turns_mean
     process = gen.get("process", "poisson")
     if process == "poisson":
         arrivals = workload.poisson_arrivals(rate, n, rng)
@@ -302,4 +315,24 @@ def _generate(rd: FieldReader, gen: Mapping[str, Any], seed: int) -> list[TraceR
             for k, v in weights.items()
         ],
     )
+    if shape is not None:
+        return prefix_sessions(arrivals, lengths, shape, rng)
     return workload.with_arrivals(lengths, arrivals)
+
+
+def _prefix_shape(rd: FieldReader, raw: Any) -> PrefixShape:
+    spec = rd.mapping(raw, "trace.generate.prefix")
+    fields = {f.name: f for f in dataclasses.fields(PrefixShape)}
+    rd.known(spec, "trace.generate.prefix", set(fields))
+    values: dict[str, Any] = {}
+    for name, value in spec.items():
+        where = f"trace.generate.prefix.{name}"
+        values[name] = (
+            rd.integer(value, where, minimum=0)
+            if fields[name].type == "int"
+            else rd.number(value, where)
+        )
+    try:
+        return PrefixShape(**values)
+    except ValueError as exc:
+        raise rd.fail("trace.generate.prefix", str(exc)) from None

@@ -238,7 +238,8 @@ def merge(*traces: Sequence[TraceRequest]) -> list[TraceRequest]:
 def clip_lengths(
     requests: Sequence[TraceRequest], max_prompt: int, max_output: int
 ) -> list[TraceRequest]:
-    """Clamp prompt lengths to `max_prompt` and output lengths to `max_output`.
+    """Clamp prompt lengths to `max_prompt` and output lengths to `max_output` (a clipped prompt
+    keeps the prefix blocks that cover its first `max_prompt` tokens).
 
     Real traces contain prompts longer than a small model's context window; choosing
     max_prompt + max_output <= max_model_len keeps every request admissible by the engine (vLLM
@@ -253,6 +254,7 @@ def clip_lengths(
             r,
             prompt_tokens=min(r.prompt_tokens, max_prompt),
             output_tokens=min(r.output_tokens, max_output),
+            blocks=r.blocks[: -(-max_prompt // r.block_tokens)] if r.blocks else (),
         )
         for r in requests
     ]
