@@ -1,6 +1,7 @@
 """The `disaggpool` command: one entry point, one subcommand per job.
 
     disaggpool sim paper [--quick] [--setup both|llama8b|paper] [--json FILE] [--plots DIR]
+    disaggpool sim prefix [--quick] [--json FILE] [--plots DIR]
                          [--workers N]
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool profile list
@@ -79,6 +80,24 @@ def cmd_sim_paper(args: argparse.Namespace) -> int:
         from disaggpool.sim import plots
 
         for path in plots.write_plots(doc, Path(args.plots)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_sim_prefix(args: argparse.Namespace) -> int:
+    from disaggpool.sim import prefix_report, prefix_study
+
+    cfg = prefix_study.PrefixConfig.quick() if args.quick else prefix_study.PrefixConfig()
+    start = time.perf_counter()
+    doc = prefix_study.run_prefix(cfg, workers=args.workers, progress=_progress("sim prefix"))
+    print(prefix_report.tables(doc))
+    print(
+        f"({len(doc['experiments']['prefix'])} rows in {time.perf_counter() - start:.1f} s)",
+        file=sys.stderr,
+    )
+    _write_json(doc, args.json)
+    if args.plots:
+        for path in prefix_report.write_plots(doc, Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -241,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, help="worker processes (default: CPU count)"
     )
     p.set_defaults(func=cmd_sim_paper)
+    x = sim.add_parser("prefix", help="prefix-cache-aware routing on prefix-sharing traffic")
+    x.add_argument("--quick", action="store_true", help="every case, small")
+    x.add_argument("--json", metavar="FILE", help="write all rows as JSON")
+    x.add_argument("--plots", metavar="DIR", help="write PNG plots")
+    x.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: CPU count)"
+    )
+    x.set_defaults(func=cmd_sim_prefix)
     r = sim.add_parser("run", help="simulate one scenario file")
     r.add_argument("--scenario", required=True, metavar="FILE")
     r.add_argument("--json", metavar="FILE")

@@ -158,3 +158,18 @@ def test_block_prompts_share_exactly_the_shared_blocks() -> None:
     assert all(3 <= t < 500 for t in a + b + c)
     # The run of an id does not depend on what else was generated before it.
     assert block_prompt(TraceRequest(0.0, 512, 1, "", (9,), 512), 500, {}) == a[512:1024]
+
+
+def test_prefix_rules_need_the_router_index(tmp_path: Path) -> None:
+    path = _scenario(tmp_path, {"embedded": "mooncake-conversation", "limit": 30})
+    doc = yaml.safe_load(path.read_text())
+    doc["policies"] = ["cache_aware", "calibrated"]
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(InputError, match=r"router\.prefix_index: must be true for cache_aware"):
+        load_scenario(path)
+    doc["router"] = {"prefix_index": True}
+    doc["pool"]["prefix_caching"] = True
+    path.write_text(yaml.safe_dump(doc))
+    s = load_scenario(path)
+    assert s.router.prefix_index and s.prefix_caching
+    assert all(spec.prefix_caching and spec.router.prefix_index for spec in s.specs())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from disaggpool.core.profile import CalibrationProfile
@@ -56,13 +56,16 @@ class SLOClass:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestFeatures:
-    """One request as the router sees it: exact prompt length, predicted output, SLO class."""
+    """One request as the router sees it: exact prompt length, predicted output, SLO class, and
+    `prefix_hits`: instance name -> prompt tokens the router believes that instance has cached
+    (its prefix index; instances not named have none)."""
 
     request_id: str
     prompt_tokens: int
     predicted_output_tokens: float
     output_uncertainty: float
     slo: SLOClass
+    prefix_hits: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -60,20 +60,24 @@ def prefill_ready_time(
 ) -> float:
     """Seconds until `req`'s prompt is prefilled on `inst`: its queue, then itself (FCFS).
 
-    The queue is the router's own prompt tokens not yet prefilled there, or the scraped
-    `waiting` count priced at this request's length when another client fed the instance.
+    The queue is the router's own prompt tokens not yet prefilled there (less what it expected
+    cached), or the scraped `waiting` count priced at this request's length when another client
+    fed the instance. With h of its n tokens cached there, the request itself costs the partial
+    prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix cache").
     """
     n = req.prompt_tokens
+    h = req.prefix_hits.get(inst.name, 0) if req.prefix_hits else 0
     q_tokens = inst.queued_tokens
     q_sq = inst.queued_sq_tokens
     if inst.waiting > inst.queued:  # work the router did not send itself
         extra = inst.waiting - inst.queued
         q_tokens += extra * n
         q_sq += extra * n * n
-    tokens = q_tokens + n + inst.running * n * 0.5  # a batch in progress is half done on average
+    # A batch in progress is half done on average.
+    tokens = q_tokens + (n - h) + inst.running * n * 0.5
     pf = prof.prefill
     iterations = math.ceil(tokens / prof.max_num_batched_tokens)
-    return iterations * pf.p0 + pf.p1 * tokens + pf.p2 * (q_sq + n * n)
+    return iterations * pf.p0 + pf.p1 * tokens + pf.p2 * (q_sq + n * n - h * h)
 
 
 def local_prefill_time(inst: InstanceSnapshot, prof: CalibrationProfile) -> float:

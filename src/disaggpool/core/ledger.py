@@ -6,7 +6,9 @@ of the requests it routed there (`Account`). `view` combines the two into the `I
 the policies read, by one rule for every router:
 
 * prefill instance: `inflight` = `queued` = requests routed there whose prefill has not answered,
-  `queued_tokens` / `queued_sq_tokens` their prompt tokens (and squares); `waiting` is the
+  `queued_tokens` / `queued_sq_tokens` their prompt tokens (and squares) less what the router
+  expected cached there (`Entry.cached_tokens`: h of n tokens count n - h and n**2 - h**2, the
+  partial prefill of the cost model); `waiting` is the
   scraped count raised to our own `queued` when that is higher;
 * decode instance: `inflight` = routed there and not finished; `queued` = not yet decoding (no
   output token seen), `queued_tokens` their prompt tokens; `remaining_output_tokens` = predicted
@@ -84,6 +86,7 @@ class Entry:
     decoding: bool = False
     generated: int = 0
     first_token_at: float = 0.0
+    cached_tokens: int = 0  # of its prompt, expected cached on its prefill instance
     # While decoding, budget(now) = (due - now) / left: `left` the predicted remaining tokens (at
     # least 1), `due` when the last of them is due. Both change only with `generated`.
     due: float = 0.0
@@ -165,11 +168,11 @@ class Ledger:
             entry.prefilled = True  # no prefill leg to wait for
         else:
             p = self.account(entry.prefill)
-            n = entry.prompt_tokens
+            n, h = entry.prompt_tokens, entry.cached_tokens
             p.inflight += 1
             p.queued += 1
-            p.queued_tokens += n
-            p.queued_sq_tokens += float(n) * n
+            p.queued_tokens += n - h
+            p.queued_sq_tokens += float(n) * n - float(h) * h
         if entry.decode is not None:
             self._book_decode(entry, entry.decode)
 
@@ -288,11 +291,11 @@ class Ledger:
         if entry.prefill is None:
             return
         p = self.accounts[entry.prefill]
-        n = entry.prompt_tokens
+        n, h = entry.prompt_tokens, entry.cached_tokens
         p.inflight -= 1
         p.queued -= 1
-        p.queued_tokens -= n
-        p.queued_sq_tokens -= float(n) * n
+        p.queued_tokens -= n - h
+        p.queued_sq_tokens -= float(n) * n - float(h) * h
         if p.inflight == 0:
             p.queued_sq_tokens = 0.0
 

@@ -7,6 +7,15 @@ attention term is charged exactly as if each prompt had been prefilled whole. A 
 blocks are allocated when its first chunk is scheduled and stay allocated until the decode
 instance has pulled them (`release`), so a slow decode pool backs up into prefill, as in vLLM.
 
+With `prefix_caching`, requests that carry prompt block ids (`EngineRequest.blocks`) go through
+the instance's `engine.prefix_cache.PrefixCache` when their first chunk is scheduled: the cached
+leading blocks are not computed, so prefill starts at offset h (the hit) and costs
+``p0 + p1 * (n - h) + p2 * (n**2 - h**2)`` over the iterations it spans: the new tokens' linear
+work, and their attention over the whole context, cached part included. Only the tokens that come
+into use are allocated; blocks kept only as cache are evicted, least recently released first,
+when the capacity is needed. Queries and hits are counted in tokens at admission, as vLLM counts
+`vllm:prefix_cache_queries` / `_hits`.
+
 One wake-up per iteration: prefill iterations are long (tens to hundreds of milliseconds), so
 this costs little. Used by `sim.cluster` and `emulator.engine_driver` (which also `abort`s the
 requests of clients that went away); time is always passed in.
@@ -18,6 +27,7 @@ import random
 from collections import deque
 
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.prefix_cache import PrefixCache
 from disaggpool.engine.request import EngineRequest
 
 __all__ = ["PrefillEngine"]
@@ -33,8 +43,13 @@ class PrefillEngine:
         *,
         jitter: float = 0.0,
         rng: random.Random | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.name = name
+        self.prefix_caching = prefix_caching
+        self.cache: PrefixCache | None = None  # made for the first request that has blocks
+        self.prefix_queries = 0  # prompt tokens looked up (admitted requests with blocks)
+        self.prefix_hits = 0
         self.profile = profile
         self.capacity = profile.kv_capacity_tokens
         self._jitter = jitter
@@ -76,16 +91,56 @@ class PrefillEngine:
         except ValueError:
             return True
         if self._offset.pop(req.index, None) is not None:
-            self.kv_used -= req.prompt_tokens  # its first chunk had allocated the prompt's KV
+            self._free(req)  # its first chunk had allocated the prompt's KV
         if self.busy_until is None and self.queue:
             self._start(now)
         return True
 
     def release(self, req: EngineRequest, now: float) -> None:
         """The decode side pulled this request's KV: free its blocks."""
-        self.kv_used -= req.prompt_tokens
+        self._free(req)
         if self.busy_until is None and self.queue:
             self._start(now)
+
+    def _free(self, req: EngineRequest) -> None:
+        if self.cache is not None and req.blocks:
+            self.kv_used -= self.cache.release(req.blocks, req.prompt_tokens)
+        else:
+            self.kv_used -= req.prompt_tokens
+
+    def _cache_for(self, req: EngineRequest) -> PrefixCache | None:
+        if not (self.prefix_caching and req.blocks):
+            return None
+        if self.cache is None:
+            self.cache = PrefixCache(req.block_tokens)
+        elif self.cache.block_tokens != req.block_tokens:
+            raise ValueError(
+                f"{self.name}: request {req.index} has {req.block_tokens}-token blocks, "
+                f"the cache {self.cache.block_tokens}"
+            )
+        return self.cache
+
+    def _admit(self, req: EngineRequest) -> int | None:
+        """Allocate the prompt's KV at its first chunk; the offset prefill starts from (its
+        cached tokens), or None when the KV does not fit yet."""
+        n = req.prompt_tokens
+        cache = self._cache_for(req)
+        if cache is None:
+            if self.kv_used + n > self.capacity:
+                return None
+            self.kv_used += n
+            return 0
+        need = cache.need_tokens(req.blocks, n)
+        if self.kv_used + need > self.capacity:
+            return None
+        hit = cache.hit_tokens(req.blocks, n)
+        cache.acquire(req.blocks, n)
+        self.kv_used += need
+        cache.evict_to(self.capacity - self.kv_used)
+        self.prefix_queries += n
+        self.prefix_hits += hit
+        req.cached_tokens = hit
+        return hit
 
     def next_wakeup(self) -> float | None:
         return self.busy_until
@@ -120,10 +175,10 @@ class PrefillEngine:
                 break
             offset = self._offset.get(req.index)
             if offset is None:  # first chunk: allocate the prompt's KV blocks
-                if self.kv_used + req.prompt_tokens > self.capacity:
+                offset = self._admit(req)
+                if offset is None:
                     break  # FCFS: wait for the decode side to pull earlier prompts
-                self.kv_used += req.prompt_tokens
-                self._offset[req.index] = offset = 0
+                self._offset[req.index] = offset
             chunk = min(budget, req.prompt_tokens - offset)
             batch.append((req, chunk))
             budget -= chunk

@@ -36,6 +36,9 @@ class EngineRequest:
     rejected: bool = False  # an engine refused it (prompt longer than it can ever hold)
     shed: bool = False  # the router refused it (a sheddable class that would miss its SLO)
     key: str = ""  # the request id a router knows it by (str(index) unless set)
+    blocks: tuple[int, ...] = ()  # prompt block ids, when the trace has them (prefix caching)
+    block_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its prefill instance found in its prefix cache
 
     def __post_init__(self) -> None:
         if not self.key:

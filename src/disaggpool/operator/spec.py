@@ -23,8 +23,7 @@ from typing import Any
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
-    NEEDS_DATASHEET,
-    POLICY_NAMES,
+    ROUTER_POLICIES,
     default_options,
 )
 from disaggpool.core.predictor import make_predictor
@@ -49,8 +48,6 @@ __all__ = [
     "parse_spec",
 ]
 
-# The router cannot run `uncalibrated` (it needs datasheet profiles per pod, which a pool lacks).
-ROUTER_POLICIES: tuple[str, ...] = tuple(p for p in POLICY_NAMES if p not in NEEDS_DATASHEET)
 # Flags the operator sets itself; a user's extraArgs repeating them would silently break P/D.
 MANAGED_VLLM_FLAGS = (
     "--port",

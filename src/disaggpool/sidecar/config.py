@@ -16,8 +16,7 @@ from urllib.parse import urlparse
 from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
-    NEEDS_DATASHEET,
-    POLICY_NAMES,
+    ROUTER_POLICIES,
     PolicyOptions,
     default_options,
 )
@@ -146,9 +145,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     top = rd.mapping(doc, "<document>")
     rd.known(top, "", _TOP)
     policy = rd.string(top.get("policy", "calibrated"), "policy")
-    if policy not in POLICY_NAMES or policy in NEEDS_DATASHEET:
-        valid = ", ".join(p for p in POLICY_NAMES if p not in NEEDS_DATASHEET)
-        raise rd.fail("policy", f"unknown policy {policy!r}; valid: {valid}")
+    if policy not in ROUTER_POLICIES:
+        raise rd.fail("policy", f"unknown policy {policy!r}; valid: {', '.join(ROUTER_POLICIES)}")
     classes = read_slo_classes(rd, top.get("slo_classes"))
     default = top.get("default_slo_class")
     if default is not None:

@@ -42,12 +42,15 @@ class RouterOptions:
     positive value scrapes the engines on that period, as the sidecar does. `replicas`: router
     replicas, each with its own ledger and policy object, taking arrivals in turn (an even share);
     their scrapes are spread over the interval. `late_binding`: choose the decode instance when
-    the prefill leg returns, on the state of that moment, instead of at arrival.
+    the prefill leg returns, on the state of that moment, instead of at arrival. `prefix_index`:
+    each replica keeps an approximate index of the prompt blocks it sent to each prefill
+    instance and tells the policies what each would find cached (`core.prefix_index`).
     """
 
     scrape_interval_s: float = 0.0
     replicas: int = 1
     late_binding: bool = False
+    prefix_index: bool = False
 
     def __post_init__(self) -> None:
         if not self.scrape_interval_s >= 0.0:
@@ -77,6 +80,8 @@ class SimOutcome:
     served: dict[str, int]
     end_time: float
     predictor_errors: dict[str, float]
+    prefix_cache: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Prefill instance -> (prompt tokens looked up, tokens found cached)."""
 
 
 class Simulation:
@@ -93,8 +98,10 @@ class Simulation:
         seed: int,
         jitter: float = 0.03,
         router: RouterOptions = RouterOptions(),
+        prefix_caching: bool = False,
     ) -> None:
-        """`policies`: one policy object per router replica (`router.replicas` of them)."""
+        """`policies`: one policy object per router replica (`router.replicas` of them);
+        `prefix_caching`: the prefill engines cache prompt blocks (requests with `blocks`)."""
         if len(policies) != router.replicas:
             raise ValueError(f"{router.replicas} router replicas need as many policy objects")
         self.slo_classes = dict(slo_classes)
@@ -110,7 +117,13 @@ class Simulation:
             rng = random.Random(engine_rng.getrandbits(64))
             if spec.role == "prefill":
                 self.prefill.append(
-                    PrefillEngine(spec.name, spec.true_profile, jitter=jitter, rng=rng)
+                    PrefillEngine(
+                        spec.name,
+                        spec.true_profile,
+                        jitter=jitter,
+                        rng=rng,
+                        prefix_caching=prefix_caching,
+                    )
                 )
             elif spec.role == "decode":
                 self.decode.append(
@@ -131,6 +144,7 @@ class Simulation:
                 believed,
                 scrape_interval_s=router.scrape_interval_s,
                 phase_s=router.scrape_interval_s * r / n,
+                prefix_index=router.prefix_index,
             )
             for r in range(n)
         ]
@@ -151,7 +165,13 @@ class Simulation:
     def run(self, trace: Sequence[TraceRequest]) -> SimOutcome:
         reqs = [
             EngineRequest(
-                i, t.arrival_s, t.prompt_tokens, t.output_tokens, t.slo_class or self.default_class
+                i,
+                t.arrival_s,
+                t.prompt_tokens,
+                t.output_tokens,
+                t.slo_class or self.default_class,
+                blocks=t.blocks,
+                block_tokens=t.block_tokens,
             )
             for i, t in enumerate(trace)
         ]
@@ -180,6 +200,7 @@ class Simulation:
             rejected=rejected,
             shed=[r for r in reqs if r.shed],
             preemptions={e.name: e.preemptions for e in self.decode},
+            prefix_cache={e.name: (e.prefix_queries, e.prefix_hits) for e in self.prefill},
             served={e.name: self._served[i] for i, e in enumerate(self._engines)},
             end_time=max((r.finish for r in done), default=0.0),
             predictor_errors=_errors(self.predictor),
@@ -193,14 +214,15 @@ class Simulation:
         pred = self.predictor.predict(req.slo_class, req.prompt_tokens, self.rng, req.output_tokens)
         req.predicted_output = pred.mean
         slo = self.slo_classes[req.slo_class]
+        router = self._router(req)
         features = RequestFeatures(
             request_id=str(req.index),
             prompt_tokens=req.prompt_tokens,
             predicted_output_tokens=pred.mean,
             output_uncertainty=pred.std,
             slo=slo,
+            prefix_hits=router.prefix_hits(req),
         )
-        router = self._router(req)
         policy = self.policies[req.index % len(self.policies)]
         decision = policy.route(features, router.snapshot(now), self.rng)
         if decision.shed:  # refused at the door: it counts as missed, it takes no capacity

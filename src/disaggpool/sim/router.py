@@ -10,7 +10,9 @@ produced are reported at every decision, as a front door counting streamed token
 
 Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
 share of the arrivals and seeing only its own requests in its ledger; the gauges are the only
-thing they share, which is what makes greedy placement herd. Called by `sim.cluster` only.
+thing they share, which is what makes greedy placement herd. With `prefix_index`, a replica also
+keeps a `core.prefix_index.PrefixIndex` of the prompt blocks it sent to each prefill instance and
+tells the policy what each would find cached (`prefix_hits`). Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, SLOClass
 from disaggpool.core.ledger import Entry, Gauges, Ledger, view
+from disaggpool.core.prefix_index import PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
@@ -38,6 +41,7 @@ class RouterReplica:
         *,
         scrape_interval_s: float = 0.0,
         phase_s: float = 0.0,
+        prefix_index: bool = False,
     ) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
@@ -47,6 +51,7 @@ class RouterReplica:
         self.scrape_interval_s = scrape_interval_s
         self._next_scrape = phase_s
         self._gauges: dict[str, Gauges] = {}
+        self.index = PrefixIndex() if prefix_index else None
 
     # ---------------------------------------------------------------- reports
     def routed(
@@ -58,7 +63,21 @@ class RouterReplica:
         now: float,
     ) -> None:
         entry = Entry(req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now)
+        if self.index is not None and prefill is not None and req.blocks:
+            index, n, b = self.index, req.prompt_tokens, req.block_tokens
+            entry.cached_tokens = index.hit_tokens(prefill, req.blocks, n, b)
+            believed = self.profiles[prefill]  # the index is bounded by the KV it believes
+            capacity = (believed.kv_capacity_tokens if believed is not None else 0) or n
+            index.record(prefill, req.blocks, n, b, capacity)
         self.ledger.routed(entry)
+
+    def prefix_hits(self, req: EngineRequest) -> Mapping[str, int]:
+        """Prefill instance -> prompt tokens of `req` the index believes it has cached."""
+        if self.index is None or not req.blocks:
+            return {}
+        return self.index.hits(
+            (p.name for p in self.prefill), req.blocks, req.prompt_tokens, req.block_tokens
+        )
 
     def bind_decode(self, req: EngineRequest, decode: str) -> None:
         self.ledger.bind_decode(req.key, decode)

@@ -44,6 +44,7 @@ class RunSpec:
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
     label: str = ""  # the row's name for this policy and options (default: the policy's name)
     extra: tuple[tuple[str, Any], ...] = ()
+    prefix_caching: bool = False  # the prefill engines cache prompt blocks
 
 
 def execute(spec: RunSpec) -> dict[str, Any]:
@@ -69,10 +70,13 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         seed=spec.seed,
         jitter=spec.jitter,
         router=spec.router,
+        prefix_caching=spec.prefix_caching,
     )
     outcome = sim.run(spec.trace)
     summary = summarize(outcome, classes)
     n_prefill = sum(1 for i in spec.instances if i.role == "prefill")
+    queries = sum(q for q, _ in outcome.prefix_cache.values())
+    hits = sum(h for _, h in outcome.prefix_cache.values())
     row: dict[str, Any] = {
         "trace": spec.trace_name,
         "policy": spec.label or spec.policy,
@@ -82,6 +86,7 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         "misses": summary["misses"],
         "ttft_p99_s": summary["ttft_p99_s"],
         "tpot_p99_s": summary["tpot_p99_s"],
+        "prefix_hit": round(hits / queries, 4) if queries else 0.0,
         "requests": summary["requests"],
         "prefill_instances": n_prefill,
         "decode_instances": len(spec.instances) - n_prefill,

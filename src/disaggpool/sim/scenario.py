@@ -20,6 +20,7 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
     NEEDS_DATASHEET,
+    NEEDS_PREFIX_INDEX,
     POLICY_NAMES,
     PolicyOptions,
 )
@@ -51,6 +52,7 @@ class Scenario:
     name: str
     router: RouterOptions = dataclasses.field(default_factory=RouterOptions)
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
+    prefix_caching: bool = True
 
     def _options(self, policy: str) -> PolicyOptions:
         """The file's switches as they apply to `policy` (`pd_decider` needs a cost model)."""
@@ -73,6 +75,7 @@ class Scenario:
                 jitter=self.jitter,
                 router=self.router,
                 options=self._options(policy),
+                prefix_caching=self.prefix_caching,
             )
             for seed in self.seeds
             for policy in self.policies
@@ -110,6 +113,9 @@ def load_scenario(path: str | Path) -> Scenario:
     seeds = rd.nonempty_list(doc.get("seeds", [1]), "seeds", of="integers")
     seed_list = tuple(rd.integer(s, f"seeds[{i}]", minimum=0) for i, s in enumerate(seeds))
     instances = _pool(rd, doc.get("pool"), base, seed_list[0])
+    pool_doc = doc.get("pool")
+    caching = pool_doc.get("prefix_caching", True) if isinstance(pool_doc, dict) else True
+    prefix_caching = rd.boolean(caching, "pool.prefix_caching")
     slo = read_slo_classes(rd, doc.get("slo_classes"))
     trace = _trace(rd, doc.get("trace"), base, {c.name for c in slo}, seed_list[0])
     policies = rd.nonempty_list(
@@ -135,9 +141,15 @@ def load_scenario(path: str | Path) -> Scenario:
     except (KeyError, ValueError) as exc:
         raise rd.fail("predictor", str(exc).strip("'\"")) from None
     router, options = _router(rd, doc.get("router", {}))
+    needs_index = sorted(NEEDS_PREFIX_INDEX & set(policies))
+    if needs_index and not router.prefix_index:
+        raise rd.fail(
+            "router.prefix_index", f"must be true for {', '.join(needs_index)} (prefix-cache rules)"
+        )
     return Scenario(
         router=router,
         options=options,
+        prefix_caching=prefix_caching,
         instances=instances,
         trace=tuple(trace),
         slo_classes=slo,
@@ -157,7 +169,14 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
     rd.known(
         r,
         "router",
-        {"scrape_interval_s", "replicas", "decode_binding", "pd_decider", "local_prefill_below"},
+        {
+            "scrape_interval_s",
+            "replicas",
+            "decode_binding",
+            "pd_decider",
+            "local_prefill_below",
+            "prefix_index",
+        },
     )
     binding = r.get("decode_binding", "arrival")
     if binding not in ("arrival", "late"):
@@ -170,6 +189,7 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             ),
             replicas=rd.integer(r.get("replicas", 1), "router.replicas"),
             late_binding=binding == "late",
+            prefix_index=rd.boolean(r.get("prefix_index", False), "router.prefix_index"),
         ),
         PolicyOptions(
             pd_decider=rd.boolean(r.get("pd_decider", True), "router.pd_decider"),
@@ -191,7 +211,7 @@ def _profile(rd: FieldReader, ref: Any, field: str, base: Path) -> CalibrationPr
 
 def _pool(rd: FieldReader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, ...]:
     pool = rd.mapping(raw, "pool")
-    rd.known(pool, "pool", {"prefill", "decode"})
+    rd.known(pool, "pool", {"prefill", "decode", "prefix_caching"})
     specs: list[InstanceSpec] = []
     for role in ("prefill", "decode"):
         groups = rd.nonempty_list(pool.get(role), f"pool.{role}", of="instance groups")

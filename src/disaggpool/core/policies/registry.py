@@ -21,13 +21,16 @@ from disaggpool.core.policies.baselines import (
 )
 from disaggpool.core.policies.calibrated import CalibratedPolicy
 from disaggpool.core.policies.deciders import ThresholdDecider
+from disaggpool.core.policies.prefix_baselines import CacheAware, DynamoKv
 from disaggpool.core.policies.study import StudyWeightedPolicy
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
     "CALIBRATED_FAMILY",
     "NEEDS_DATASHEET",
+    "NEEDS_PREFIX_INDEX",
     "POLICY_NAMES",
+    "ROUTER_POLICIES",
     "PolicyOptions",
     "default_options",
     "make_policy",
@@ -80,6 +83,8 @@ _FACTORIES: dict[str, Factory] = {
     "study_weighted_datasheet": lambda ds, o: StudyWeightedPolicy(
         "study_weighted_datasheet", profiles=_require(ds)
     ),
+    "cache_aware": lambda _, o: CacheAware(),
+    "dynamo_kv": lambda _, o: DynamoKv(),
 }
 
 #: The policies `PolicyOptions.pd_decider` applies to.
@@ -90,6 +95,16 @@ POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 #: Policies that score with datasheet constants (they need `datasheet=`).
 NEEDS_DATASHEET: frozenset[str] = frozenset({"uncalibrated", "study_weighted_datasheet"})
+
+#: Policies that are only prefix-cache rules: without a router that keeps a prefix index (the
+#: simulator's `RouterOptions.prefix_index`; the sidecar keeps none yet) they reduce to load
+#: counting, so the sidecar and the CRD do not offer them.
+NEEDS_PREFIX_INDEX: frozenset[str] = frozenset({"cache_aware", "dynamo_kv"})
+
+#: What a deployed router (the sidecar, the CRD) can run.
+ROUTER_POLICIES: tuple[str, ...] = tuple(
+    p for p in _FACTORIES if p not in NEEDS_DATASHEET and p not in NEEDS_PREFIX_INDEX
+)
 
 
 def _require(datasheet: Datasheet | None) -> Datasheet:

@@ -1,0 +1,112 @@
+"""The peers' prefix-cache-aware rules, written from their sources, as baselines.
+
+Both read what the router believes each prefill instance has cached from
+`RequestFeatures.prefix_hits` (the router's `core.prefix_index`, the same index our calibrated
+policy reads, so the comparison is of the rules, not of the indexes), and choose the decode
+instance as their P/D deployments do: by load alone.
+
+* `cache_aware`: vLLM's router (`vllm-project/router`, `src/policies/cache_aware.rs`; the same
+  rule as SGLang's router). Load is the router's own requests in flight per instance. When the
+  loads are imbalanced (max - min > `balance_abs` and max > min x `balance_rel`) the least
+  loaded instance wins; otherwise, when the best match covers more than `cache_threshold` of the
+  prompt, the instance with the longest match wins; otherwise the least loaded. Thresholds are
+  its command-line defaults (`src/main.rs`): 0.3, 64, 1.5. It matches prompt characters in a
+  radix tree; here, prompt blocks (a token-granular stand-in: the rule is the same). Decode: the
+  least loaded instance (its documented P/D pairing puts power-of-two there, which on the small
+  pools here is the least loaded most of the time).
+* `dynamo_kv`: NVIDIA Dynamo's KV router (`ai-dynamo/dynamo`, `lib/kv-router/src/scheduling/
+  selector/default.rs`) with its defaults: cost = prefill blocks (tokens still to prefill there
+  plus this prompt, in KV blocks) minus the blocks it has cached (credit 1), plus the blocks of
+  the requests decoding there; the lowest cost wins, ties at random. Its disaggregated mode
+  (`router-disaggregated-serving.md`) scores prefill workers without decode blocks and decode
+  workers without the cache credit and prefill tokens, which is what is done here: prefill by
+  uncached prefill blocks, decode by KV blocks in use.
+
+Both are cache-aware but count blocks and requests; neither knows how fast an instance is.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
+from disaggpool.core.policies.base import healthy, with_predictions
+from disaggpool.core.policies.baselines import _Baseline, argmin
+
+__all__ = ["CacheAware", "DynamoKv"]
+
+
+class _PrefixBaseline(_Baseline):
+    """A prefill rule of its own (it reads the request's cached prefixes); decode by
+    `_pick`, by load (the base class's `route_decode` serves late binding as is)."""
+
+    def _prefill(
+        self, req: RequestFeatures, instances: Sequence[InstanceSnapshot], rng: random.Random
+    ) -> InstanceSnapshot:
+        raise NotImplementedError
+
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        return argmin(instances, lambda i: i.inflight, rng)
+
+    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
+        p = self._prefill(req, healthy(pool.prefill, "prefill"), rng)
+        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
+        return with_predictions(self.name, req, p, d)
+
+
+class CacheAware(_PrefixBaseline):
+    """vLLM router's `cache_aware` (module docstring)."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def _prefill(
+        self, req: RequestFeatures, instances: Sequence[InstanceSnapshot], rng: random.Random
+    ) -> InstanceSnapshot:
+        loads = [i.inflight for i in instances]
+        high, low = max(loads), min(loads)
+        if high - low > self.balance_abs and high > low * self.balance_rel:
+            return argmin(instances, lambda i: i.inflight, rng)
+        hits = req.prefix_hits
+        best = max((hits.get(i.name, 0) for i in instances), default=0)
+        if best > self.cache_threshold * req.prompt_tokens:
+            # Every instance at the deepest match holds it; the tree hands back one of them.
+            return next(i for i in instances if hits.get(i.name, 0) == best)
+        return argmin(instances, lambda i: i.inflight, rng)
+
+
+class DynamoKv(_PrefixBaseline):
+    """NVIDIA Dynamo's KV-router cost, disaggregated mode (module docstring)."""
+
+    name = "dynamo_kv"
+
+    def _prefill(
+        self, req: RequestFeatures, instances: Sequence[InstanceSnapshot], rng: random.Random
+    ) -> InstanceSnapshot:
+        hits = req.prefix_hits
+        n = req.prompt_tokens
+
+        def cost(i: InstanceSnapshot) -> float:
+            block = i.profile.block_size if i.profile is not None else 16
+            return max(0.0, (i.queued_tokens + n - hits.get(i.name, 0)) / block)
+
+        return argmin(instances, cost, rng)
+
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        # KV blocks in use; the request's own new blocks are the same on every instance.
+        def blocks(i: InstanceSnapshot) -> float:
+            block = i.profile.block_size if i.profile is not None else 16
+            return (i.kv_tokens_used + i.queued_tokens) / block
+
+        return argmin(instances, blocks, rng)

@@ -1,0 +1,104 @@
+"""The engine's prefix cache: vLLM's lookup and eviction rules on hand-worked cases, and the
+prefill engine computing only what it does not hold (and pricing it by the partial-prefill
+formula)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.profile import PrefillModel
+from disaggpool.engine.prefill import PrefillEngine
+from disaggpool.engine.prefix_cache import PrefixCache
+from disaggpool.engine.request import EngineRequest
+
+A40 = builtin_profile("a40-llama3-8b")
+
+
+def test_lookup_stops_at_the_first_miss_and_leaves_the_last_token() -> None:
+    cache = PrefixCache(4)
+    cache.acquire((1, 2, 3), 12)
+    cache.release((1, 2, 3), 12)
+    assert cache.hit_tokens((1, 2, 3), 13) == 12  # three full blocks, a 13th token to compute
+    assert cache.hit_tokens((1, 2, 3), 12) == 8  # fully cached: the last block is recomputed
+    assert cache.hit_tokens((1, 9, 3), 12) == 4  # the walk stops at the first miss
+    assert cache.hit_tokens((7, 2, 3), 12) == 0
+
+
+def test_eviction_order_is_vllms() -> None:
+    """Released blocks queue by release time, a request's deepest first; a hit takes a block
+    out of the queue; blocks in use are never evicted."""
+    cache = PrefixCache(1)
+    cache.acquire((1, 2, 3), 3)  # request A
+    cache.acquire((7, 8), 2)  # request B
+    assert cache.release((1, 2, 3), 3) == 3  # A done: queue 3, 2, 1
+    assert cache.release((7, 8), 2) == 2  # B done: queue 3, 2, 1, 8, 7
+    cache.acquire((1, 2), 2)  # a hit on 1 and 2 takes them out: queue 3, 8, 7
+    assert cache.evict_to(2) == 1 and not cache.holds(3)  # the deepest block of A went first
+    assert cache.evict_to(1) == 1 and not cache.holds(8) and cache.holds(7)
+    assert cache.evict_to(0) == 1 and cache.holds(1) and cache.holds(2)  # in use: kept
+    assert cache.release((1, 2), 2) == 2 and cache.cached_tokens == 2
+
+
+def test_need_counts_what_comes_into_use_and_release_gives_it_back() -> None:
+    cache = PrefixCache(4)
+    assert cache.need_tokens((1, 2, 3), 10) == 10  # two new blocks and a private 2-token tail
+    cache.acquire((1, 2, 3), 10)
+    assert cache.need_tokens((1, 2, 5), 10) == 2  # 1 and 2 are in use already: shared
+    cache.acquire((1, 2, 5), 10)
+    assert cache.release((1, 2, 3), 10) == 2  # only its tail: the blocks are still shared
+    assert cache.release((1, 2, 5), 10) == 10
+    assert cache.need_tokens((1, 2), 8) == 8  # cached but free: they come back into use
+
+
+def test_prefill_computes_only_the_uncached_part() -> None:
+    """Second request: the same 1,024-token prefix (two 512-token blocks) and 200 new tokens.
+    Its prefill starts at offset 1,024: p0 + p1 * 200 + p2 * (1224**2 - 1024**2)."""
+    prof = dataclasses.replace(A40, prefill=PrefillModel(0.01, 1e-4, 1e-8))
+    eng = PrefillEngine("p", prof, prefix_caching=True)
+    first = EngineRequest(0, 0.0, 1100, 1, "x", blocks=(10, 11, 12), block_tokens=512)
+    eng.enqueue(first, 0.0)
+    t = eng.next_wakeup()
+    assert t is not None and eng.advance(t) == [first]
+    eng.release(first, t)
+    assert eng.kv_used == 0  # its full blocks stay cached, not in use
+    second = EngineRequest(1, t, 1224, 1, "x", blocks=(10, 11, 13), block_tokens=512)
+    eng.enqueue(second, t)
+    assert second.cached_tokens == 1024
+    expected = 0.01 + 1e-4 * 200 + 1e-8 * (1224**2 - 1024**2)
+    assert eng.next_wakeup() == pytest.approx(t + expected)
+    assert (eng.prefix_queries, eng.prefix_hits) == (1100 + 1224, 1024)
+    assert eng.kv_used == 1224  # the hit blocks are in use again, plus its own new tokens
+
+
+def test_caching_off_or_no_blocks_prefills_in_full() -> None:
+    for eng, blocks in (
+        (PrefillEngine("p", A40), (1, 2)),
+        (PrefillEngine("p", A40, prefix_caching=True), ()),
+    ):
+        for i in range(2):
+            req = EngineRequest(i, 0.0, 1000, 1, "x", blocks=blocks, block_tokens=512)
+            eng.enqueue(req, 0.0)
+            t = eng.next_wakeup()
+            assert t is not None and eng.advance(t) == [req]
+            eng.release(req, t)
+            assert req.cached_tokens == 0
+        assert eng.prefix_hits == 0
+
+
+def test_cached_blocks_give_way_to_new_prompts() -> None:
+    """The cache lives in the KV capacity: a prompt that needs the room evicts cached blocks."""
+    eng = PrefillEngine("p", dataclasses.replace(A40, kv_capacity_tokens=2048), prefix_caching=True)
+    a = EngineRequest(0, 0.0, 2048, 1, "x", blocks=(1, 2, 3, 4), block_tokens=512)
+    eng.enqueue(a, 0.0)
+    t = eng.next_wakeup()
+    assert t is not None and eng.advance(t) == [a]
+    eng.release(a, t)
+    assert eng.cache is not None and eng.cache.cached_tokens == 2048
+    b = EngineRequest(1, t, 1536, 1, "x", blocks=(5, 6, 7), block_tokens=512)
+    eng.enqueue(b, t)
+    assert eng.num_running == 1 and eng.kv_used == 1536
+    assert eng.cache.cached_tokens == 512  # a's tail blocks went first
+    assert eng.cache.holds(1) and not eng.cache.holds(4)
