@@ -6,11 +6,12 @@ cache size, run at its own operating point, with every policy and seed.
 * Traces: `mooncake` (the embedded Mooncake conversation trace, prompts clipped to 7,680 tokens
   and outputs to 512 so they fit the profile's 8,192-token context: 15 blocks of 512 at most,
   so only the leading part of each long conversation is shared), `sessions` (a generated
-  workload: 8 tenants' 1,536-token system prompts, multi-turn sessions of mean 4 turns, `sim.
-  prefix_workload`), and `azure` (the Azure 2023 conversation trace, no block ids: nothing to hit,
-  what the cache term costs when there is nothing to gain).
+  workload: 8 tenants' 1,536-token system prompts, multi-turn sessions of mean 4 turns,
+  `sim.prefix_workload`), and `azure` (the Azure 2023 conversation trace, no block ids: nothing
+  to hit, what the cache term costs when there is nothing to gain).
 * Pools: 8 prefill instances of `a40-llama3-8b`, `hetero` with every second one 1.6x as fast,
-  or `homo`; 6 decode instances, enough that prefill decides. The router scrapes every second.
+  or `homo`; 6 decode instances (prefill decides on Mooncake and the sessions; at Azure's much
+  higher rate of short prompts the decode pool does). The router scrapes every second.
 * Cache sizes: `gpu`, the prefill instances' own KV capacity (190,000 tokens); `offload`, eight
   times that (a CPU/disk tier as large as LMCache-style offloading gives), applied to the
   engines and to what the router believes alike.
