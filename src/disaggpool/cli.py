@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +59,35 @@ def _write_json(doc: Any, path: str | None) -> None:
         Path(path).write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
 
 
+def _report_experiment(
+    doc: dict[str, Any],
+    started: float,
+    tables: Callable[[dict[str, Any]], str],
+    plots: Callable[[dict[str, Any], Path], list[Path]],
+    args: argparse.Namespace,
+) -> int:
+    """What every `sim` experiment does with its document: tables, timing, JSON, plots."""
+    print(tables(doc))
+    rows = sum(len(r) for r in doc["experiments"].values())
+    print(f"({rows} rows in {time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    _write_json(doc, args.json)
+    if args.plots:
+        for path in plots(doc, Path(args.plots)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_sim_paper(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from disaggpool.sim import paper, report
+    from disaggpool.sim import paper, plots, report
 
     cfg = paper.PaperConfig.quick() if args.quick else paper.PaperConfig()
     if args.setup != "both":
         cfg = dataclasses.replace(cfg, setups=(args.setup,))
     start = time.perf_counter()
     doc = paper.run_paper(cfg, workers=args.workers, progress=_progress("sim paper"))
-    print(report.tables(doc))
-    print(
-        f"({len([r for rows in doc['experiments'].values() for r in rows])} rows in "
-        f"{time.perf_counter() - start:.1f} s)",
-        file=sys.stderr,
-    )
-    _write_json(doc, args.json)
-    if args.plots:
-        from disaggpool.sim import plots
-
-        for path in plots.write_plots(doc, Path(args.plots)):
-            print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return _report_experiment(doc, start, report.tables, plots.write_plots, args)
 
 
 def cmd_sim_prefix(args: argparse.Namespace) -> int:
@@ -90,16 +96,7 @@ def cmd_sim_prefix(args: argparse.Namespace) -> int:
     cfg = prefix_study.PrefixConfig.quick() if args.quick else prefix_study.PrefixConfig()
     start = time.perf_counter()
     doc = prefix_study.run_prefix(cfg, workers=args.workers, progress=_progress("sim prefix"))
-    print(prefix_report.tables(doc))
-    print(
-        f"({len(doc['experiments']['prefix'])} rows in {time.perf_counter() - start:.1f} s)",
-        file=sys.stderr,
-    )
-    _write_json(doc, args.json)
-    if args.plots:
-        for path in prefix_report.write_plots(doc, Path(args.plots)):
-            print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return _report_experiment(doc, start, prefix_report.tables, prefix_report.write_plots, args)
 
 
 def cmd_sim_run(args: argparse.Namespace) -> int:

@@ -54,9 +54,11 @@ class RecordingReplica(RouterReplica):
         self.log.append(("progress", now, req.key, produced, req.first_token))
         super().progress(req, produced, now)
 
-    def routed(self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float) -> None:
+    def routed(
+        self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float, cached: int = 0
+    ) -> None:
         self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode))
-        super().routed(req, prefill, decode, slo, now)
+        super().routed(req, prefill, decode, slo, now, cached)
 
     def bind_decode(self, req: EngineRequest, decode: str) -> None:
         self.log.append(("bound", req.key, decode))

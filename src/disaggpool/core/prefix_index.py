@@ -8,16 +8,30 @@ real evictions (nor of requests other routers sent), which is why it is approxim
 by vLLM's KV events replaces it where pods publish them.
 
 `hit_tokens` answers the question the cost model asks: how many of this prompt's tokens would
-instance i find cached, by the engine's own lookup rule (leading full blocks, capped at
-prompt - 1, whole blocks). Pure, no clock: the simulator's router and the sidecar keep one each.
+instance i find cached, by the engine's own lookup rule (`leading_hit_tokens`, which the engine
+model's cache uses too). Pure, no clock: the simulator's router keeps one per replica.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
-__all__ = ["PrefixIndex"]
+__all__ = ["PrefixIndex", "leading_hit_tokens"]
+
+
+def leading_hit_tokens(
+    blocks: Sequence[int], prompt_tokens: int, block_tokens: int, held: Container[int]
+) -> int:
+    """vLLM's prefix-cache lookup: the leading full blocks `held` holds, stopping at the first
+    miss, capped at prompt - 1 tokens in whole blocks (a fully cached prompt still computes its
+    last block)."""
+    hits = 0
+    for block in blocks[: (prompt_tokens - 1) // block_tokens]:
+        if block not in held:
+            break
+        hits += 1
+    return hits * block_tokens
 
 
 class PrefixIndex:
@@ -32,12 +46,7 @@ class PrefixIndex:
         held = self._held.get(instance)
         if not held or not blocks:
             return 0
-        hits = 0
-        for block in blocks[: (prompt_tokens - 1) // block_tokens]:
-            if block not in held:
-                break
-            hits += 1
-        return hits * block_tokens
+        return leading_hit_tokens(blocks, prompt_tokens, block_tokens, held)
 
     def hits(
         self,

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from disaggpool.core.prefix_index import leading_hit_tokens
+
 __all__ = ["PrefixCache"]
 
 
@@ -45,14 +47,7 @@ class PrefixCache:
 
     def hit_tokens(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """Prompt tokens a lookup finds cached (leading full blocks, capped: docstring)."""
-        b = self.block_tokens
-        usable = (prompt_tokens - 1) // b  # the cap at prompt - 1, in whole blocks
-        hits = 0
-        for block in blocks[:usable]:
-            if block not in self._refs and block not in self._free:
-                break
-            hits += 1
-        return hits * b
+        return leading_hit_tokens(blocks, prompt_tokens, self.block_tokens, self)
 
     def need_tokens(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """Tokens that come into use if the request is admitted: its private tail and every full
@@ -100,5 +95,8 @@ class PrefixCache:
             gone += 1
         return gone
 
-    def holds(self, block: int) -> bool:
+    def __contains__(self, block: object) -> bool:
         return block in self._refs or block in self._free
+
+    def holds(self, block: int) -> bool:
+        return block in self

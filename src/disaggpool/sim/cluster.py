@@ -245,7 +245,14 @@ class Simulation:
             self._features[req.index] = features
         else:
             req.decode_instance = decision.decode
-        router.routed(req, decision.prefill, None if late else decision.decode, slo, now)
+        router.routed(
+            req,
+            decision.prefill,
+            None if late else decision.decode,
+            slo,
+            now,
+            features.prefix_hits.get(decision.prefill, 0),
+        )
         self._engines[p_idx].enqueue(req, now)
         if req.rejected:  # never admitted: it must not linger in the router's accounting
             router.finished(req)

@@ -57,22 +57,13 @@ from disaggpool.sim.paper_setup import (
     rate_search,
     solve_searches,
 )
-from disaggpool.sim.paper_study import Study
+from disaggpool.sim.paper_study import BASE_LABELS, Study
 from disaggpool.sim.paper_traces import synthetic_trace
 from disaggpool.sim.runner import RunSpec, run_all
 
 __all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_paper"]
 
-LLAMA8B_LABELS = (
-    "round_robin",
-    "random",
-    "least_loaded",
-    "length",
-    "p2c",
-    "length+local<512",
-    "calibrated",
-    "uncalibrated",
-)
+LLAMA8B_LABELS = BASE_LABELS
 SCARCITY_LABELS = ("round_robin", "random", "calibrated_greedy", "calibrated")
 SPREAD_LABELS = ("least_loaded", "uncalibrated", "calibrated")
 

@@ -64,6 +64,7 @@ from disaggpool.sim.paper_traces import mixed_trace
 from disaggpool.sim.runner import RunSpec
 
 __all__ = [
+    "BASE_LABELS",
     "CASES",
     "GPU_COUNT_LABELS",
     "LEVERS",
@@ -82,7 +83,8 @@ __all__ = [
 
 SLO_LEVELS = ("tight", "loose")
 
-MAIN_LABELS = (
+# The baselines, the peer-style decider, ours two ways: what both setups compare.
+BASE_LABELS = (
     "round_robin",
     "random",
     "least_loaded",
@@ -91,10 +93,9 @@ MAIN_LABELS = (
     "length+local<512",
     "calibrated",
     "uncalibrated",
-    "study_weighted",
-    "study_weighted_datasheet",
 )
-ROBUSTNESS_LABELS = MAIN_LABELS[:8]  # the baselines, the peer-style decider, ours two ways
+MAIN_LABELS = (*BASE_LABELS, "study_weighted", "study_weighted_datasheet")
+ROBUSTNESS_LABELS = BASE_LABELS
 GPU_COUNT_LABELS = SWEEP_LABELS
 
 CASES = ("homogeneous_chat", "scarce_1p2d", "decode3", "stale_replicas")

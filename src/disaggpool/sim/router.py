@@ -61,14 +61,19 @@ class RouterReplica:
         decode: str | None,
         slo: SLOClass,
         now: float,
+        cached_tokens: int = 0,
     ) -> None:
-        entry = Entry(req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now)
+        """Book a routed request; `cached_tokens`: what the index told the policy the prefill
+        instance holds of its prompt (`prefix_hits`), booked as work it need not do."""
+        entry = Entry(
+            req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now,
+            cached_tokens=cached_tokens,
+        )  # fmt: skip
         if self.index is not None and prefill is not None and req.blocks:
-            index, n, b = self.index, req.prompt_tokens, req.block_tokens
-            entry.cached_tokens = index.hit_tokens(prefill, req.blocks, n, b)
+            n = req.prompt_tokens
             believed = self.profiles[prefill]  # the index is bounded by the KV it believes
             capacity = (believed.kv_capacity_tokens if believed is not None else 0) or n
-            index.record(prefill, req.blocks, n, b, capacity)
+            self.index.record(prefill, req.blocks, n, req.block_tokens, capacity)
         self.ledger.routed(entry)
 
     def prefix_hits(self, req: EngineRequest) -> Mapping[str, int]:

@@ -112,10 +112,7 @@ def load_scenario(path: str | Path) -> Scenario:
     base = path.parent
     seeds = rd.nonempty_list(doc.get("seeds", [1]), "seeds", of="integers")
     seed_list = tuple(rd.integer(s, f"seeds[{i}]", minimum=0) for i, s in enumerate(seeds))
-    instances = _pool(rd, doc.get("pool"), base, seed_list[0])
-    pool_doc = doc.get("pool")
-    caching = pool_doc.get("prefix_caching", True) if isinstance(pool_doc, dict) else True
-    prefix_caching = rd.boolean(caching, "pool.prefix_caching")
+    instances, prefix_caching = _pool(rd, doc.get("pool"), base, seed_list[0])
     slo = read_slo_classes(rd, doc.get("slo_classes"))
     trace = _trace(rd, doc.get("trace"), base, {c.name for c in slo}, seed_list[0])
     policies = rd.nonempty_list(
@@ -209,7 +206,10 @@ def _profile(rd: FieldReader, ref: Any, field: str, base: Path) -> CalibrationPr
         raise rd.fail(field, str(exc)) from None
 
 
-def _pool(rd: FieldReader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpec, ...]:
+def _pool(
+    rd: FieldReader, raw: Any, base: Path, seed: int
+) -> tuple[tuple[InstanceSpec, ...], bool]:
+    """The instances, and whether their prefill engines cache prompt blocks."""
     pool = rd.mapping(raw, "pool")
     rd.known(pool, "pool", {"prefill", "decode", "prefix_caching"})
     specs: list[InstanceSpec] = []
@@ -241,7 +241,7 @@ def _pool(rd: FieldReader, raw: Any, base: Path, seed: int) -> tuple[InstanceSpe
     if len(set(names)) != len(names):
         raise rd.fail("pool", "instance names must be unique")
     del seed
-    return tuple(specs)
+    return tuple(specs), rd.boolean(pool.get("prefix_caching", True), "pool.prefix_caching")
 
 
 def _trace(
