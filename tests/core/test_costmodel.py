@@ -90,6 +90,36 @@ def test_kv_pressure_adds_preemption_penalty() -> None:
     assert hard.tpot_s > easy.tpot_s
 
 
+def test_kv_beyond_capacity_is_not_free() -> None:
+    # Capacity 100,000 less the 2% headroom = 98,000. Both instances are full: a capped mean
+    # context would price them alike; the one holding more must cost more, by d2 per token.
+    full = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=98_000, remaining_output_tokens=400.0
+    )
+    over = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=99_000, remaining_output_tokens=400.0
+    )
+    a = costmodel.decode_estimate(request(), full, PROFILE, 0.0)
+    b = costmodel.decode_estimate(request(), over, PROFILE, 0.0)
+    assert a.tau_s == pytest.approx(0.02 + 0.001 * 5 + 1e-6 * (98_000 + 500 + 5 * 50))
+    assert b.tau_s - a.tau_s == pytest.approx(1e-6 * 1000)
+    assert b.act_s > a.act_s
+
+
+def test_preemption_probability_from_the_kv_peak() -> None:
+    # peak = 4000 + 500 + 5 * min(100 + 50, r_bar = 100) = 5000 against 98,000: no risk
+    roomy = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+    )
+    assert costmodel.decode_estimate(request(sigma=50), roomy, PROFILE, 0.0).preempt_p == 0.0
+    # peak exactly at the capacity: z = 0, an even chance
+    at_cap = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=98_000 - 1000, remaining_output_tokens=400.0
+    )
+    est = costmodel.decode_estimate(request(sigma=50), at_cap, PROFILE, 0.0)
+    assert est.preempt_p == pytest.approx(0.5)
+
+
 def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
     tau_before = 0.02 + 0.001 * 4 + 1e-6 * (4000 + 4 * 50)
     tau_after = 0.02 + 0.001 * 5 + 1e-6 * (4500 + 5 * 50)

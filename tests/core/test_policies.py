@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from disaggpool.core import costmodel
 from disaggpool.core.contracts import (
     InstanceSnapshot,
     PoolSnapshot,
@@ -296,3 +297,21 @@ def test_a_sheddable_request_that_would_miss_everywhere_is_shed() -> None:
     assert not make_policy("calibrated").route(fine, busy, random.Random(0)).shed
     for name in ("round_robin", "least_loaded", "length", "p2c"):
         assert not make_policy(name).route(hopeless, busy, random.Random(0)).shed
+
+
+def test_calibrated_avoids_a_preemption_risk_its_completion_time_would_take() -> None:
+    # A step time nearly blind to context, so the completion time favours the small batch on the
+    # nearly full instance; the chance of running out of KV there counts as an expected miss.
+    flat = dataclasses.replace(A40, decode=dataclasses.replace(A40.decode, d2=1e-9))
+    full = decode(
+        "full", flat, running=2, inflight=2, kv_tokens_used=184_850, remaining_output_tokens=200.0
+    )
+    busy = decode(
+        "busy", flat, running=40, inflight=40, kv_tokens_used=40_000, remaining_output_tokens=4000.0
+    )
+    risky = costmodel.decode_estimate(REQ, full, flat, 0.0)
+    roomy = costmodel.decode_estimate(REQ, busy, flat, 0.0)
+    assert risky.act_s < roomy.act_s and 0.05 < risky.preempt_p < 0.95 and roomy.preempt_p == 0
+    assert max(risky.tpot_s, roomy.tpot_s) <= CHAT.tpot_s
+    policy = make_policy("calibrated_greedy", options=PolicyOptions(pd_decider=False))
+    assert policy.route(REQ, pool([full, busy]), random.Random(0)).decode == "busy"

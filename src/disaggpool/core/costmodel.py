@@ -53,6 +53,8 @@ class DecodeEstimate(NamedTuple):
     """Admission wait plus the stalls of local prefills queued there (kept for `local_estimate`)."""
     ahead: int = 0
     """Sequences there before the request (kept for `local_estimate`)."""
+    preempt_p: float = 0.0
+    """Probability the KV cache runs out while the request runs (vLLM then preempts it)."""
 
 
 def prefill_ready_time(
@@ -121,9 +123,10 @@ def decode_estimate(
     b_join = b_ahead + 1
     b_run = b_join if b_join < max_seqs else max_seqs
     growth = (o if o < r_bar else r_bar) * 0.5  # context each sequence gains while r overlaps
+    # Not capped at the capacity: an instance cannot hold more, so the excess is paid in
+    # preemptions and recomputation instead, at no less than a held token costs. Capping it made
+    # every full instance look as cheap as a merely busy one (COSTMODEL.md).
     k_mid = k_ahead + n + b_run * growth
-    if k_mid > cap:
-        k_mid = cap
     tau = dm.d0 + dm.d1 * b_run + dm.d2 * k_mid  # step time of the batch r joins
 
     # Whose TPOT target the extra step time breaks: in-flight requests meeting theirs without r.
@@ -131,8 +134,7 @@ def decode_estimate(
     budgets = inst.tpot_budgets
     if budgets.seconds:
         b_before = b_ahead if b_ahead < max_seqs else max_seqs
-        k_before = k_ahead + b_before * growth
-        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * (k_before if k_before < cap else cap)
+        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * (k_ahead + b_before * growth)
         slo_harm = budgets.between(tau_before, tau)
 
     # Admission wait: requests that must finish before r gets a slot and its KV blocks.
@@ -160,13 +162,15 @@ def decode_estimate(
         penalty = p_over * (recompute + 0.5 * o * tau)
         harm += penalty
     else:
-        penalty = 0.0
+        p_over = penalty = 0.0
 
     # Local prefills queued there stall every step they run in: r waits for them too.
     stall = local_prefill_time(inst, prof)
     ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
     act = wait + o * tau + harm
-    est = DecodeEstimate(act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead)
+    est = DecodeEstimate(
+        act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead, p_over
+    )
     return local_estimate(req, inst, prof, est, prefill_ready_s) if local else est
 
 
@@ -207,4 +211,5 @@ def local_estimate(
         tau,
         remote.wait_s,
         ahead,
+        remote.preempt_p,
     )

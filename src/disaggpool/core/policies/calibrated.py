@@ -9,7 +9,8 @@ For each request:
    violations wins, ties broken by ACT. The violations counted are the request's own (predicted
    TTFT or TPOT over its class target) plus those of the in-flight requests there whose TPOT
    budget (the time per remaining token they can still afford) lies between the step time
-   without and with this request (they were on course and it would push them over). Goodput
+   without and with this request (they were on course and it would push them over), plus the
+   chance that the KV cache runs out while it runs there (vLLM would preempt it). Goodput
    counts requests, so when a class cannot be met anywhere the request goes where it breaks
    nobody else's SLO: in a burst the overflow lands on an instance that is already late rather
    than spreading lateness over every instance. The decision then says `slo_feasible=False`.
@@ -61,9 +62,12 @@ _REF_CONTEXT = 32 * 1024
 
 
 def _violations(est: costmodel.DecodeEstimate, slo: SLOClass) -> float:
-    """SLO violations a placement causes: the request's own miss plus those it pushes over."""
-    own_miss = 0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1
-    return float(est.slo_harm + own_miss)
+    """SLO violations a placement is expected to cause: the request's own predicted miss, the
+    in-flight requests it pushes over their TPOT budget, and the chance the KV cache runs out
+    while it runs (vLLM preempts it: recomputed, it all but certainly misses its TPOT, and the
+    recomputation stalls the others, so the chance counts even where its own miss is certain)."""
+    own_miss = 0.0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1.0
+    return est.slo_harm + own_miss + est.preempt_p
 
 
 def _median_profile(instances: Sequence[InstanceSnapshot]) -> CalibrationProfile | None:
@@ -182,8 +186,7 @@ class CalibratedPolicy:
         for idx, inst in enumerate(decodes):
             est = costmodel.decode_estimate(req, inst, d_profiles[idx], ready_s)
             estimates.append(est)
-            own_miss = 0 if est.ttft_s <= slo.ttft_s and est.tpot_s <= slo.tpot_s else 1
-            key = (float(est.slo_harm + own_miss), est.act_s)
+            key = (_violations(est, slo), est.act_s)
             if key < cheapest_any_key:
                 cheapest_any, cheapest_any_key = idx, key
             if allowed[idx] and key < best_key:
