@@ -164,6 +164,17 @@ def test_local_prefill_prices_the_stall_and_skips_the_transfer() -> None:
     assert local.slo_harm == 3
 
 
+def test_local_prefill_breaks_first_tokens_due_during_its_stall() -> None:
+    """Requests routed to that decode instance and not decoding yet get their first token after
+    the 0.51 s stall: the two due within it are pushed over; one already late and one due in 2 s
+    are not counted."""
+    inst = InstanceSnapshot("d", "decode", queued=4, ttft_slack_s=(-0.2, 0.1, 0.5, 2.0))
+    local = costmodel.decode_estimate(request(), inst, PROFILE, 0.0, local=True)
+    remote = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
+    assert remote.slo_harm == 0
+    assert local.slo_harm == 2
+
+
 def test_queued_local_prefills_stall_a_remote_request_too() -> None:
     busy = InstanceSnapshot("d", "decode", local_prefill_tokens=1500, local_prefill_sq_tokens=0.0)
     idle = InstanceSnapshot("d", "decode")

@@ -3,6 +3,7 @@ reports returns them to zero, and `view` combines gauges and books by its writte
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +19,8 @@ def entry(rid: str, p: str | None = "p0", d: str | None = "d0", n: int = 100) ->
 
 def zero(ledger: Ledger) -> bool:
     return all(
-        (a.inflight, a.queued, a.queued_tokens, a.decoding, a.local_tokens, a.targets)
-        == (0, 0, 0, 0, 0, {})
+        (a.inflight, a.queued, a.queued_tokens, a.decoding, a.local_tokens, a.targets, a.first_due)
+        == (0, 0, 0, 0, 0, {}, {})
         and abs(a.predicted_left) < 1e-6
         and abs(a.queued_sq_tokens) < 1e-6
         and abs(a.local_sq_tokens) < 1e-6
@@ -148,3 +149,20 @@ def test_budgets_are_reused_briefly_and_rebuilt_when_a_request_joins_or_ages() -
     assert joined is not aged and joined.groups() == [(0.1, 32, 2)]
     # time running backwards (another replica's clock) never reuses
     assert budgets(acc, 0.5) is not joined
+
+
+def test_ttft_slack_of_the_requests_not_decoding_yet() -> None:
+    led = Ledger()
+    led.routed(Entry("a", "p0", "d0", 100, 50.0, SLO, routed_at=0.0))  # first token due at 1.0
+    led.routed(Entry("b", "p0", "d0", 100, 50.0, SLO, routed_at=0.5))  # due at 1.5
+    led.routed(Entry("c", "p0", "d0", 100, 50.0, SLO, routed_at=0.2))  # due at 1.2
+    assert view("d0", "decode", led.accounts["d0"], None, now=0.9).ttft_slack_s == (
+        pytest.approx(0.1),
+        pytest.approx(0.3),
+        pytest.approx(0.6),
+    )
+    led.progress("c", 1, now=1.0)  # decoding: its first token is no longer due
+    led.finished("a")
+    assert view("d0", "decode", led.accounts["d0"], None, now=1.6).ttft_slack_s == (
+        pytest.approx(-0.1),
+    )

@@ -127,6 +127,9 @@ class InstanceSnapshot:
     `local_prefill_tokens` / `local_prefill_sq_tokens` (decode instances): prompt tokens (and their
     squares) of the requests routed there to be prefilled *on the decode instance itself* (the
     P/D decider's local path) that have not started decoding.
+    `ttft_slack_s` (decode instances): for each request routed there that has not started
+    decoding, the seconds left until its first token is due (negative when already late), in
+    increasing order: a stall of S seconds there now breaks those with slack in [0, S).
     `profile` is the calibration profile the router believes for this instance, or None.
     """
 
@@ -143,6 +146,7 @@ class InstanceSnapshot:
     tpot_budgets: TpotBudgets = NO_BUDGETS
     local_prefill_tokens: int = 0
     local_prefill_sq_tokens: float = 0.0
+    ttft_slack_s: tuple[float, ...] = ()
     healthy: bool = True
     profile: CalibrationProfile | None = None
 

@@ -201,6 +201,12 @@ def local_estimate(
             if (b.seconds[i] - tau) * b.tokens[i] < own:
                 slo_harm += b.counts[i]
             i += 1
+    # Requests routed there and not decoding yet get their first token after the stall: those
+    # still on time whose first token is due within `own` are pushed over (COSTMODEL.md).
+    slack = inst.ttft_slack_s
+    if slack:
+        lo = bisect.bisect_left(slack, 0.0)
+        slo_harm += bisect.bisect_left(slack, own, lo) - lo
     stall_harm = ahead * own
     return DecodeEstimate(
         remote.act_s + stall_harm,

@@ -15,7 +15,9 @@ the policies read, by one rule for every router:
   output of the in-flight requests minus what they produced so far (at least one token per
   decoding request); `tpot_budgets` what time per remaining token each can still afford (below);
   `running` / `waiting` are the scraped gauges raised to our own counts of requests decoding /
-  queued there;
+  queued there; `ttft_slack_s` the seconds until the first token of each queued one is due
+  (routed at + its TTFT target - now), which the P/D decider needs to price a local prefill's
+  stall;
 * `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape.
 
 TPOT budgets. A request of target T that has produced k tokens, the first one e seconds ago, and
@@ -123,6 +125,7 @@ class Account:
     local_tokens: int = 0
     local_sq_tokens: float = 0.0
     targets: dict[tuple[float, int], int] = dataclasses.field(default_factory=dict)  # queued
+    first_due: dict[str, float] = dataclasses.field(default_factory=dict)  # queued: TTFT due at
     streams: dict[str, Entry] = dataclasses.field(default_factory=dict)  # decoding entries
     cached_budgets: TpotBudgets | None = None  # None after a request joined or left
     budgets_at: float = 0.0
@@ -199,6 +202,7 @@ class Ledger:
             d.local_sq_tokens += float(entry.prompt_tokens) ** 2
         key = (entry.slo.tpot_s, _pow2(entry.predicted_output))
         d.targets[key] = d.targets.get(key, 0) + 1
+        d.first_due[entry.request_id] = entry.routed_at + entry.slo.ttft_s
         d.cached_budgets = None
 
     def prefilled(self, request_id: str) -> Entry | None:
@@ -278,6 +282,7 @@ class Ledger:
         d.queued_tokens -= entry.prompt_tokens
         d.decoding += 1
         _uncount(d.targets, (entry.slo.tpot_s, _pow2(entry.predicted_output)))
+        del d.first_due[entry.request_id]
         d.streams[entry.request_id] = entry
         d.cached_budgets = None
         entry._pace()
@@ -383,6 +388,9 @@ def view(
         tpot_budgets=budgets(acc, now),
         local_prefill_tokens=acc.local_tokens,
         local_prefill_sq_tokens=acc.local_sq_tokens,
+        ttft_slack_s=tuple(sorted(due - now for due in acc.first_due.values()))
+        if acc.first_due
+        else (),
         healthy=healthy,
         profile=profile,
     )
