@@ -334,3 +334,26 @@ def test_rejected_decode_leg_releases_prefill_blocks(start_emulator: Any, http: 
         assert free_blocks(p)[0] == free_blocks(p)[1]
 
     eventually(freed, timeout=2.0)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefill_legs_reuse_a_cached_prefix(start_emulator: Any, http: Http, caching: bool) -> None:
+    """vLLM's prefix caching on the prefill side: a second prompt that starts with the first
+    one's full blocks computes only the rest, and the metrics count the hit as vLLM does."""
+    p = start_emulator(enable_prefix_caching=caching)
+    first = " ".join(f"word{i}" for i in range(70))
+    second = first + " and a different ending"
+    n_first = len(Tokenizer().encode(first)) + 1  # BOS
+    n_second = len(Tokenizer().encode(second)) + 1
+    block = p.instance.config.block_size
+    prefill_leg(http, p, "/v1/completions", {"prompt": first, "max_tokens": 5}, "a")
+    prefill_leg(http, p, "/v1/completions", {"prompt": second, "max_tokens": 5}, "b")
+    fams = http.metrics(p.url)
+    hit = (n_first // block) * block if caching else 0
+    assert 0 < n_first // block <= (n_second - 1) // block
+    assert sample(fams, "vllm:prefix_cache_queries_total") == n_first + n_second
+    assert sample(fams, "vllm:prefix_cache_hits_total") == hit
+    assert sample(fams, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == hit
+    assert sample(fams, "vllm:prompt_tokens_cached_total") == hit
+    info = fams["vllm:cache_config_info"].samples[0].labels
+    assert info["enable_prefix_caching"] == str(caching)

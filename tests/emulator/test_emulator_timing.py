@@ -21,7 +21,14 @@ from disaggpool.core.profile import CalibrationProfile, profile_to_dict
 from disaggpool.formats.profiles import resolve_profile
 
 N = 100  # prompt tokens: BOS and N - 1 words
-PROMPT = "w " * (N - 1)
+
+
+def prompt(i: int) -> str:
+    """The i-th of distinct N-token prompts: the prefill engine caches prefixes, as vLLM's does,
+    so a repeated prompt would be served from its cache."""
+    return f"w{i} " + "w " * (N - 2)
+
+
 TOL = 0.006  # seconds
 RUNS = 5
 
@@ -55,8 +62,10 @@ def test_lone_plain_request_matches_the_model(
     http.sse(emu.url + "/v1/completions", {"prompt": "warm up", "max_tokens": 1, "stream": True})
     k = 12
     runs = [
-        http.sse(emu.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": k, "stream": True})
-        for _ in range(RUNS)
+        http.sse(
+            emu.url + "/v1/completions", {"prompt": prompt(i), "max_tokens": k, "stream": True}
+        )
+        for i in range(RUNS)
     ]
     assert all(len(s.events) == k + 1 for s in runs)
     # As in vLLM, the prefill pass samples the first token; each decode step adds one more.
@@ -66,8 +75,11 @@ def test_lone_plain_request_matches_the_model(
     assert close_to_model(measured, expected_ttft), (measured, expected_ttft)
     assert statistics.median(tpot(s) for s in runs) == pytest.approx(expected_tpot, abs=0.002)
     # One token only: a pure prefill, answered when the prefill iteration ends.
-    body = {"prompt": PROMPT, "max_tokens": 1, "stream": True}
-    singles = [ttft(http.sse(emu.url + "/v1/completions", body)) for _ in range(RUNS)]
+    body = {"max_tokens": 1, "stream": True}
+    singles = [
+        ttft(http.sse(emu.url + "/v1/completions", {**body, "prompt": prompt(RUNS + i)}))
+        for i in range(RUNS)
+    ]
     assert close_to_model(singles, profile.prefill.prompt_time(N)), singles
 
 
@@ -76,24 +88,25 @@ def test_prefill_and_decode_legs_match_the_model(
 ) -> None:
     p, d = start_emulator(profile), start_emulator(profile)
     leg = {
-        "prompt": PROMPT,
         "max_tokens": 1,
         "stream": True,
         "kv_transfer_params": {"do_remote_decode": True},
     }
     http.sse(p.url + "/v1/completions", {**leg, "prompt": "warm up"})
-    prefills = [http.sse(p.url + "/v1/completions", leg) for _ in range(RUNS)]
+    prefills = [
+        http.sse(p.url + "/v1/completions", {**leg, "prompt": prompt(i)}) for i in range(RUNS)
+    ]
     measured = [ttft(s) for s in prefills]
     assert close_to_model(measured, profile.prefill.prompt_time(N)), measured
     k = 8
     decodes = []
-    for s in prefills:
+    for i, s in enumerate(prefills):
         kv = s.chunks()[-1]["kv_transfer_params"]  # streaming P puts it on the finishing chunk
         assert kv["remote_num_tokens"] == N
         decodes.append(
             http.sse(
                 d.url + "/v1/completions",
-                {"prompt": PROMPT, "max_tokens": k, "stream": True, "kv_transfer_params": kv},
+                {"prompt": prompt(i), "max_tokens": k, "stream": True, "kv_transfer_params": kv},
             )
         )
     assert all(len(s.events) == k + 1 for s in decodes)

@@ -186,9 +186,13 @@ def test_cli_parses_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             "--max-num-queued-reqs", "10",
             "--jitter", "0",
             "--startup-delay", "1.5",
+            "--no-enable-prefix-caching",
         ]
     )  # fmt: skip
     cfg = cli.config_from_args(args)
+    assert cfg.enable_prefix_caching is False
+    default = cli.build_parser().parse_args(["--profile", "a40-llama3-8b"])
+    assert cli.config_from_args(default).enable_prefix_caching is True
     assert cfg.profile.name == "a40-llama3-8b"
     assert (cfg.port, cfg.served_names, cfg.model_len) == (8100, ("a", "b"), 4096)
     assert (cfg.kv_lease_duration, cfg.max_num_queued_reqs, cfg.jitter) == (5.0, 10, 0.0)

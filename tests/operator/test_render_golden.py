@@ -162,6 +162,8 @@ def test_deleted_pods_lose_their_profiles_and_jobs_and_unready_pods_wait() -> No
         ({"decode": {"variants": [{"name": "a"}, {"name": "a"}]}}, "decode.variants[1].name"),
         ({"kvTransfer": {"sideChannelPort": 8000}}, "kvTransfer.sideChannelPort"),
         ({"model": {"name": ""}}, "model.name"),
+        ({"router": {"policy": "cache_aware"}}, "router.policy"),
+        ({"router": {"prefixIndex": "yes"}}, "router.prefixIndex"),
     ],
 )
 def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None:
@@ -207,3 +209,14 @@ def test_rendered_router_config_is_accepted_by_the_sidecar(sample: str) -> None:
     assert cfg.profiles_kubernetes.selector == (
         f"disaggpool.io/pool={pool.name},disaggpool.io/profile=true"
     )
+
+
+def test_prefix_index_reaches_the_router_config() -> None:
+    pool, spec = _spec("small.yaml", router__policy="dynamo_kv", router__prefixIndex=True)
+    cm = next(
+        o
+        for o in render_pool(pool, spec)
+        if o["kind"] == "ConfigMap" and "sidecar.yaml" in o["data"]
+    )
+    config = yaml.safe_load(cm["data"]["sidecar.yaml"])
+    assert (config["policy"], config["prefix_index"]) == ("dynamo_kv", True)

@@ -15,7 +15,7 @@ from sidecar_testkit import A40, MODEL, post
 
 from disaggpool.sidecar.config import TokenizerConfig
 from disaggpool.sidecar.state import PoolState
-from disaggpool.sidecar.tokens import PromptCounter
+from disaggpool.sidecar.tokens import Prompt, PromptCounter
 
 
 def test_members_file_is_reread_when_it_changes(start_pool, start_sidecar, tmp_path) -> None:
@@ -85,14 +85,17 @@ def test_huggingface_tokenizer_json_counts_exactly(tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
 
-    async def count(text: str) -> int:
+    async def count(text: str) -> Prompt:
         async with aiohttp.ClientSession() as session:
             counter = PromptCounter(
                 TokenizerConfig("huggingface", str(path)), PoolState(), MODEL, session
             )
             return await counter.completion(text)
 
-    assert asyncio.run(count("alpha beta, gamma")) == len(tok.encode("alpha beta, gamma").ids) == 4
+    ids = tuple(tok.encode("alpha beta, gamma").ids)
+    assert asyncio.run(count("alpha beta, gamma")) == Prompt(
+        4, ids
+    )  # the ids, for the prefix index
 
 
 def test_a_slow_metrics_page_is_not_a_dead_pod(start_pool, start_sidecar) -> None:

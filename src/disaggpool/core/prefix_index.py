@@ -17,7 +17,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 
-__all__ = ["PrefixIndex", "leading_hit_tokens"]
+__all__ = ["PrefixIndex", "leading_hit_tokens", "prompt_blocks"]
+
+
+def prompt_blocks(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """Ids of the prompt's full blocks, each chained to all before it (as vLLM chains its block
+    hashes): equal ids mean equal token prefixes. Python's hash of a tuple of ints is the same in
+    every process, so the router and the emulator compute the same ids from the same tokens;
+    they are not vLLM's own hashes, which an index fed by its KV events would read instead."""
+    out = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
+        out.append(parent)
+    return tuple(out)
 
 
 def leading_hit_tokens(

@@ -3,7 +3,7 @@
     disaggpool emulate --profile NAME|FILE [--port 8000] [--host 127.0.0.1] [--model M]
                        [--served-model-name NAME ...] [--max-model-len N] [--seed S]
                        [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
-                       [--startup-delay SECONDS]
+                       [--startup-delay SECONDS] [--[no-]enable-prefix-caching]
 
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
@@ -70,6 +70,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=0.0,
         help="seconds before the port listens, like vLLM loading a model (default 0)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached leading prompt blocks on prefill legs (default: on, as vLLM)",
+    )
     return p
 
 
@@ -87,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         max_num_queued_reqs=args.max_num_queued_reqs,
         jitter=args.jitter,
         startup_delay=args.startup_delay,
+        enable_prefix_caching=args.enable_prefix_caching,
         host=args.host,
         port=args.port,
         side_channel_host=host,

@@ -59,6 +59,9 @@ class EmulatorConfig:
     side_channel_port: int = 5600
     engine_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
     vocab_size: int = 32000
+    # vLLM's prefix caching (on by default there too): prefill legs reuse the cached KV of
+    # their prompt's leading full blocks (`engine.prefix_cache`).
+    enable_prefix_caching: bool = True
     # How long a decode leg waits for the prefill side to answer a KV read before failing it.
     pull_timeout: float = 5.0
 

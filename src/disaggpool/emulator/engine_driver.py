@@ -129,10 +129,22 @@ class PrefillDriver(_Driver):
     """Drives one `PrefillEngine`; tells each request's listener when its prefill ends."""
 
     def __init__(
-        self, profile: CalibrationProfile, *, jitter: float, rng_seed: int, name: str = "prefill"
+        self,
+        profile: CalibrationProfile,
+        *,
+        jitter: float,
+        rng_seed: int,
+        name: str = "prefill",
+        prefix_caching: bool = False,
     ) -> None:
         super().__init__()
-        self.engine = PrefillEngine(name, profile, jitter=jitter, rng=random.Random(rng_seed))
+        self.engine = PrefillEngine(
+            name,
+            profile,
+            jitter=jitter,
+            rng=random.Random(rng_seed),
+            prefix_caching=prefix_caching,
+        )
         self._listeners: dict[int, PrefillListener] = {}
 
     def _next(self) -> float | None:

@@ -35,6 +35,7 @@ import logging
 import random
 from typing import Any
 
+from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.engine_driver import DecodeDriver, PrefillDriver
 from disaggpool.emulator.errors import ApiError
@@ -94,7 +95,10 @@ class EmulatorInstance:
     async def start(self) -> None:
         seeds = random.Random(self.config.seed ^ 0x5EED)
         self._prefill = PrefillDriver(
-            self.profile, jitter=self.config.jitter, rng_seed=seeds.getrandbits(64)
+            self.profile,
+            jitter=self.config.jitter,
+            rng_seed=seeds.getrandbits(64),
+            prefix_caching=self.config.enable_prefix_caching,
         )
         self._decode = DecodeDriver(
             self.profile,
@@ -143,7 +147,8 @@ class EmulatorInstance:
         """vLLM's CacheConfig as `vllm:cache_config_info` labels (every value a string).
 
         The label set is the one real vLLM sends (recorded from 0.32.0); the values describe
-        this instance (block size and count from the profile; no prefix caching, no offload).
+        this instance (block size and count from the profile, prefix caching as configured, no
+        offload).
         """
         cfg, prof = self.config, self.profile
         capacity = cfg.num_gpu_blocks * cfg.block_size
@@ -154,7 +159,7 @@ class EmulatorInstance:
             "cache_hit_alignment_tokens": "None",
             "effective_attention_block_size": str(cfg.block_size),
             "enable_mamba_shared_prefix_checkpoint": "False",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "engine": "0",
             "gpu_memory_utilization": "0.92",
             "hash_block_size": "None",
@@ -242,6 +247,11 @@ class EmulatorInstance:
         on_prefill = spec.kind == "prefill" or (spec.kind == "local" and spec.max_tokens == 1)
         output = spec.max_tokens - 1 if spec.kind == "local" else spec.max_tokens
         req = EngineRequest(next(self._index), now, n, 1 if on_prefill else output, "emulated")
+        if on_prefill and self.config.enable_prefix_caching:
+            # Only the prefill engine keeps a prefix cache; a plain request's prefill runs in the
+            # decode engine's step and computes its whole prompt.
+            bs = self.config.block_size
+            req.blocks, req.block_tokens = prompt_blocks(spec.prompt_ids, bs), bs
         seed = spec.seed if spec.seed is not None else self._rng.getrandbits(64)
         job = Job(self, spec, request_id, internal, req, seed)
         self._jobs[req.index] = job
@@ -305,8 +315,12 @@ class EmulatorInstance:
                     m.prompt_tokens_by_source["external_kv_transfer"] += n_prompt - 1
                     m.prompt_tokens_by_source["local_compute"] += 1
                 else:
-                    m.prompt_tokens_by_source["local_compute"] += n_prompt
+                    hit = job.req.cached_tokens
+                    m.prompt_tokens_by_source["local_compute"] += n_prompt - hit
+                    m.prompt_tokens_by_source["local_cache_hit"] += hit
+                    m.prompt_tokens_cached_by_source["device"] += hit
                     m.prefix_cache_queries += n_prompt
+                    m.prefix_cache_hits += hit
             else:
                 m.itl.observe(t - job.last_token_t)
             job.last_token_t = t

@@ -148,6 +148,10 @@ class EmulatorMetrics:
             ("local_compute", "local_cache_hit", "external_kv_transfer"), 0
         )
         self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prompt_tokens_cached_by_source = dict.fromkeys(
+            ("device", "host", "disk", "p2p", "external_unspecified"), 0
+        )
         self.admission_rejections = dict.fromkeys(
             ("max_num_queued_reqs", "max_num_queued_tokens"), 0
         )
@@ -288,13 +292,13 @@ class EmulatorMetrics:
         yield counter(
             "vllm:prompt_tokens_cached",
             "Number of cached prompt tokens (local and external).",
-            0,
+            sum(self.prompt_tokens_cached_by_source.values()),
         )
         yield counter_by(
             "vllm:prompt_tokens_cached_by_source",
             "Number of cached prompt tokens by source.",
             "source",
-            dict.fromkeys(("device", "host", "disk", "p2p", "external_unspecified"), 0),
+            self.prompt_tokens_cached_by_source,
         )
         yield counter(
             "vllm:prefix_cache_queries",
@@ -304,7 +308,7 @@ class EmulatorMetrics:
         yield counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            0,
+            self.prefix_cache_hits,
         )
         yield counter(
             "vllm:generation_tokens",

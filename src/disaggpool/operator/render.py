@@ -248,6 +248,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "decode_binding": r.decode_binding,
         "pd_decider": r.pd_decider,
         "local_prefill_below": r.local_prefill_below,
+        "prefix_index": r.prefix_index,
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,

@@ -23,6 +23,7 @@ from typing import Any
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
+    NEEDS_PREFIX_INDEX,
     ROUTER_POLICIES,
     default_options,
 )
@@ -161,6 +162,7 @@ class RouterSpec:
     decode_binding: str = "arrival"
     pd_decider: bool = False
     local_prefill_below: int = 0
+    prefix_index: bool = False
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -376,12 +378,15 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         decode_binding=rt.string("decodeBinding", "arrival"),
         pd_decider=rt.boolean("pdDecider", default_options(policy).pd_decider),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
+        prefix_index=rt.boolean("prefixIndex", False),
         resources=rt.section("resources").data,
     )
     if router.decode_binding not in ("arrival", "late"):
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
     if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
         rt.problem("pdDecider", f"needs a calibrated policy, not {router.policy!r}")
+    if router.policy in NEEDS_PREFIX_INDEX and not router.prefix_index:
+        rt.problem("policy", f"{router.policy!r} routes by prefix cache: needs prefixIndex: true")
     if router.policy not in ROUTER_POLICIES:
         rt.problem(
             "policy", f"unknown policy {router.policy!r}; valid: {', '.join(ROUTER_POLICIES)}"

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
+    NEEDS_PREFIX_INDEX,
     ROUTER_POLICIES,
     PolicyOptions,
     default_options,
@@ -90,6 +91,7 @@ class SidecarConfig:
     profiles_dir: str = ""
     profiles_kubernetes: KubernetesSource | None = None
     decode_binding: Literal["arrival", "late"] = "arrival"
+    prefix_index: bool = False
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -127,6 +129,7 @@ _TOP = {
     "pool",
     "profiles",
     "decode_binding",
+    "prefix_index",
     "pd_decider",
     "local_prefill_below",
 }
@@ -182,6 +185,9 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     if binding not in ("arrival", "late"):
         raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
     kwargs["decode_binding"] = binding
+    kwargs["prefix_index"] = rd.boolean(top.get("prefix_index", False), "prefix_index")
+    if policy in NEEDS_PREFIX_INDEX and not kwargs["prefix_index"]:
+        raise rd.fail("policy", f"{policy!r} routes by prefix cache: needs prefix_index: true")
     default = default_options(policy)
     pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:

@@ -48,7 +48,7 @@ from disaggpool.sidecar.service import (
     RoutingService,
     ServiceError,
 )
-from disaggpool.sidecar.tokens import PromptCounter, TokenizeError
+from disaggpool.sidecar.tokens import Prompt, PromptCounter, TokenizeError
 
 __all__ = ["FrontDoor", "openai_error"]
 
@@ -148,8 +148,10 @@ class FrontDoor:
         self.metrics.frontdoor.labels(endpoint, str(resp.status)).inc()
         return resp
 
-    async def _parse(self, endpoint: str, request: web.Request) -> tuple[dict[str, Any], int, str]:
-        """(body to forward, prompt tokens, SLO class) or BadRequest naming the field."""
+    async def _parse(
+        self, endpoint: str, request: web.Request
+    ) -> tuple[dict[str, Any], Prompt, str]:
+        """(body to forward, the measured prompt, SLO class) or BadRequest naming the field."""
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError):
@@ -180,7 +182,7 @@ class FrontDoor:
                     raise BadRequest("must be a non-empty list of messages", "messages")
                 if not all(isinstance(m, dict) for m in messages):
                     raise BadRequest("every message must be an object", "messages")
-                tokens = await self.counter.chat(
+                prompt_seen = await self.counter.chat(
                     messages,
                     bool(body.get("add_generation_prompt", True)),
                     bool(body.get("add_special_tokens", False)),
@@ -195,17 +197,17 @@ class FrontDoor:
                 if not (isinstance(prompt, str) or valid_ids) or not prompt:
                     raise BadRequest("must be a non-empty string or list of token ids", "prompt")
                 assert isinstance(prompt, str | list)
-                tokens = await self.counter.completion(
+                prompt_seen = await self.counter.completion(
                     prompt, bool(body.get("add_special_tokens", True))
                 )
         except ValueError as exc:  # the engine's /tokenize refused the prompt
             raise BadRequest(str(exc), "messages" if endpoint == "chat" else "prompt") from None
-        return body, tokens, slo
+        return body, prompt_seen, slo
 
     async def _generate(self, endpoint: str, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         try:
-            body, tokens, slo = await self._parse(endpoint, request)
+            body, prompt_seen, slo = await self._parse(endpoint, request)
         except _NotFound as exc:
             self.metrics.rejected.labels("bad_request").inc()
             return openai_error(404, str(exc), exc.field)
@@ -220,7 +222,13 @@ class FrontDoor:
         if max_tokens is None and endpoint == "completions":
             max_tokens = 16  # vLLM's completions default
         try:
-            routed = self.service.route(request_id, tokens, slo, max_tokens=max_tokens)
+            routed = self.service.route(
+                request_id,
+                prompt_seen.tokens,
+                slo,
+                max_tokens=max_tokens,
+                token_ids=prompt_seen.ids,
+            )
         except ServiceError as exc:
             return self._refused(exc)
         if routed.prefill is None:  # the P/D decider's local path: the decode pod prefills

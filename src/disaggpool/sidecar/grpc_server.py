@@ -32,7 +32,7 @@ from disaggpool.sidecar.service import (
     ServiceError,
     Shed,
 )
-from disaggpool.sidecar.tokens import PromptCounter, TokenizeError
+from disaggpool.sidecar.tokens import Prompt, PromptCounter, TokenizeError
 
 __all__ = ["SERVICE_NAME", "RouterServicer", "add_router", "health_status"]
 
@@ -96,13 +96,17 @@ class RouterServicer(pb_grpc.RouterServicer):
                 raise BadRequest("give exactly one of prompt_tokens and prompt_text", "prompt")
             if request.prompt_tokens > MAX_PROMPT_TOKENS:
                 raise BadRequest(f"must be at most {MAX_PROMPT_TOKENS}", "prompt_tokens")
-            tokens = request.prompt_tokens or await self.counter.completion(request.prompt_text)
+            if request.prompt_tokens:
+                prompt = Prompt(request.prompt_tokens)
+            else:
+                prompt = await self.counter.completion(request.prompt_text)
             routed = self.service.route(
                 request.request_id,
-                tokens,
+                prompt.tokens,
                 request.slo_class,
                 max_tokens=request.max_tokens or None,
                 exclude_prefill=tuple(request.exclude_prefill),
+                token_ids=prompt.ids,
             )
         except ServiceError as exc:
             await self._abort(context, exc)

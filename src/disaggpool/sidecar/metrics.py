@@ -24,6 +24,11 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
 * `disaggpool_inflight_requests`; per pod: `disaggpool_pod_healthy`,
   `disaggpool_pod_inflight_requests`, `disaggpool_profile_trusted`,
   `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1);
+* with `prefix_index` on: `disaggpool_prefix_lookup_tokens_total{pod}` (prompt tokens routed
+  to the prefill pod with their token ids) and `disaggpool_prefix_hit_tokens_total{pod}` (of
+  those, what the router's index expected cached there; their ratio is the hit share the router
+  counts on, to set beside the engine's `vllm:prefix_cache_hits`), and
+  `disaggpool_prefix_index_blocks{pod}` (blocks the index holds for the pod);
 * `disaggpool_frontdoor_requests_total{endpoint,code}`,
   `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`.
 
@@ -77,6 +82,11 @@ class _PodCollector(Collector):
             "disaggpool_profile_info", "the pod's calibration profile (value 1)",
             labels=["pod", "profile", "quality"],
         )  # fmt: skip
+        blocks = GaugeMetricFamily(
+            "disaggpool_prefix_index_blocks", "prompt blocks the router's prefix index holds",
+            labels=["pod"],
+        )  # fmt: skip
+        index = self.state.prefix
         accounts = self.state.ledger.accounts
         for inst in self.state.instances.values():
             if inst.removed:
@@ -89,7 +99,11 @@ class _PodCollector(Collector):
             if p is not None:
                 age.add_metric([inst.name], max(0.0, now - inst.profile_loaded_at))
                 info.add_metric([inst.name, p.name, p.quality], 1.0)
+            if index is not None and inst.role == "prefill":
+                blocks.add_metric([inst.name], float(index.size(inst.name)))
         yield from (healthy, inflight, trusted, age, info)
+        if index is not None:
+            yield blocks
 
 
 class SidecarMetrics:
@@ -108,6 +122,14 @@ class SidecarMetrics:
         )  # fmt: skip
         self.local_prefills = Counter(
             "disaggpool_local_prefills", "requests a decode pod prefilled itself (no prefill leg)",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.prefix_lookups = Counter(
+            "disaggpool_prefix_lookup_tokens", "prompt tokens looked up in the prefix index",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.prefix_hits = Counter(
+            "disaggpool_prefix_hit_tokens", "prompt tokens the prefix index expected cached",
             ["pod"], registry=r,
         )  # fmt: skip
         self.fallbacks = Counter(

@@ -8,6 +8,13 @@ or, with `decode_binding: late`, its decode pod until the prefill leg returns (`
 predictor, the goodput and heterogeneity signals and the predicted-vs-observed error. Synchronous
 and loop-confined: no awaits, so a decision is atomic.
 
+With `prefix_index` on, a request that comes with its token ids (the front door and gRPC
+`prompt_text` measure them) is cut into block ids (`core.prefix_index.prompt_blocks`, blocks of
+the prefill pods' calibrated block size); the policy is told how many of its tokens each prefill
+pod holds by the router's approximate index, the chosen pod is booked as holding them
+(bounded by its KV capacity) and its ledger entry as that much less work, exactly as the
+simulator's router does (`sim.router`).
+
 Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
 400), `Overloaded` and its `Shed` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503),
 `Duplicate` (ALREADY_EXISTS / 409).
@@ -19,7 +26,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
 from disaggpool.core.heterogeneity import SlidingSpread
@@ -27,6 +34,7 @@ from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
+from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
 from disaggpool.sidecar.state import PoolState
@@ -45,6 +53,7 @@ __all__ = [
 log = logging.getLogger("disaggpool.sidecar")
 
 MAX_REQUEST_ID = 128
+DEFAULT_BLOCK_TOKENS = 16  # vLLM's block size, for an index built before any pod is calibrated
 
 
 class ServiceError(Exception):
@@ -92,6 +101,7 @@ class Routed:
     prompt_tokens: int
     max_tokens: int | None = None
     features: RequestFeatures | None = None
+    token_ids: Sequence[int] | None = None  # kept for a reroute, which looks the prefix up again
 
 
 class RoutingService:
@@ -108,7 +118,7 @@ class RoutingService:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.state = state or PoolState()
+        self.state = state or PoolState(prefix_index=config.prefix_index)
         self.policy = policy or make_policy(config.policy, options=config.options)
         self.predictor = predictor or make_predictor(config.predictor)
         self.rng = random.Random(seed)
@@ -127,6 +137,7 @@ class RoutingService:
         *,
         max_tokens: int | None = None,
         exclude_prefill: Collection[str] = (),
+        token_ids: Sequence[int] | None = None,
     ) -> Routed:
         if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             raise BadRequest("must be 1-128 printable characters", "request_id")
@@ -144,12 +155,14 @@ class RoutingService:
         now = self.clock()
         pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
         predicted = pred.mean if not max_tokens else min(pred.mean, float(max_tokens))
+        blocks, block_tokens, hits = self._prefix(prompt_tokens, token_ids)
         features = RequestFeatures(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             predicted_output_tokens=predicted,
             output_uncertainty=pred.std,
             slo=slo,
+            prefix_hits=hits,
         )
         pool = self._pool(now, exclude_prefill)
         started = time.perf_counter()
@@ -170,6 +183,7 @@ class RoutingService:
         self._account(decision, bound=not late)
         p = self.state.instances[decision.prefill] if decision.prefill is not None else None
         d = None if late else self.state.instances[decision.decode]
+        cached = hits.get(p.name, 0) if p else 0
         self.state.routed(
             Entry(
                 request_id,
@@ -179,8 +193,11 @@ class RoutingService:
                 predicted,
                 slo,
                 now,
+                cached_tokens=cached,
             )
         )
+        if p is not None and blocks:
+            self._remember(p.name, blocks, prompt_tokens, block_tokens, cached)
         self.metrics.inflight.set(self.state.inflight)
         routed = Routed(
             request_id,
@@ -192,10 +209,45 @@ class RoutingService:
             prompt_tokens,
             max_tokens,
             features,
+            token_ids,
         )
         if late:
             self._unbound[request_id] = routed
         return routed
+
+    def _prefix(
+        self, prompt_tokens: int, token_ids: Sequence[int] | None
+    ) -> tuple[tuple[int, ...], int, Mapping[str, int]]:
+        """The prompt's block ids, their size, and each prefill pod's cached tokens of it."""
+        index = self.state.prefix
+        if index is None or not token_ids:
+            return (), 0, {}
+        pods = self.state.members("prefill")
+        block_tokens = next(
+            (i.profile.block_size for i in pods if i.profile is not None), DEFAULT_BLOCK_TOKENS
+        )
+        blocks = prompt_blocks(token_ids, block_tokens)
+        return (
+            blocks,
+            block_tokens,
+            index.hits((i.name for i in pods), blocks, prompt_tokens, block_tokens),
+        )
+
+    def _remember(
+        self, pod: str, blocks: tuple[int, ...], prompt_tokens: int, block_tokens: int, hit: int
+    ) -> None:
+        """`pod` now holds the prompt's blocks, as far as the index can know, within the KV it
+        has (its profile's, else its scraped capacity)."""
+        assert self.state.prefix is not None
+        inst = self.state.instances[pod]
+        capacity = inst.profile.kv_capacity_tokens if inst.profile is not None else 0
+        if not capacity and inst.gauges is not None:
+            capacity = inst.gauges.kv_capacity_tokens
+        self.state.prefix.record(
+            pod, blocks, prompt_tokens, block_tokens, capacity or prompt_tokens
+        )
+        self.metrics.prefix_lookups.labels(pod).inc(prompt_tokens)
+        self.metrics.prefix_hits.labels(pod).inc(hit)
 
     def bind_decode(self, request_id: str) -> Routed:
         """Late binding: the prefill leg of `request_id` answered; choose its decode pod now."""
@@ -240,6 +292,7 @@ class RoutingService:
             routed.slo.name,
             max_tokens=routed.max_tokens,
             exclude_prefill=exclude_prefill,
+            token_ids=routed.token_ids,
         )
 
     def _pool(self, now: float, exclude_prefill: Collection[str]) -> PoolSnapshot:

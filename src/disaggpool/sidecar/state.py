@@ -4,6 +4,10 @@ Collectors (`scrape`, `membership`, `profiles`) write into it; the routing servi
 in its `core.ledger.Ledger`, the same ledger the simulator's router keeps; the hot path reads a
 `PoolSnapshot` built by `core.ledger.view` from both (the rule is written down there).
 
+With `prefix_index`, it also keeps a `core.prefix_index.PrefixIndex`: the prompt blocks the router
+sent to each prefill pod (the approximate index; a pod that leaves, or a new pod behind a name,
+holds nothing we know of).
+
 Everything runs on one asyncio loop, so there are no locks: each method is atomic with respect
 to the others. Time is passed in (`now`, monotonic seconds), never read here.
 """
@@ -15,6 +19,7 @@ from collections.abc import Iterable
 
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
 from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, view
+from disaggpool.core.prefix_index import PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.sidecar.config import Member
 
@@ -48,9 +53,10 @@ class Instance:
 class PoolState:
     """Members by name plus the ledger of in-flight requests (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, prefix_index: bool = False) -> None:
         self.instances: dict[str, Instance] = {}
         self.ledger = Ledger()
+        self.prefix = PrefixIndex() if prefix_index else None
 
     # ---------------------------------------------------------------- membership and collectors
     def set_members(self, members: Iterable[Member]) -> tuple[list[str], list[str]]:
@@ -65,12 +71,16 @@ class PoolState:
             elif inst.removed or inst.member != member:
                 if inst.member.url != member.url:  # a new pod behind the name: forget the old one
                     inst.gauges, inst.healthy, inst.failures = None, True, 0
+                    if self.prefix is not None:
+                        self.prefix.forget(name)
                 inst.member, inst.removed = member, False
                 inst.view = None
         for name, inst in list(self.instances.items()):
             if name not in wanted and not inst.removed:
                 inst.removed = True
                 removed.append(name)
+                if self.prefix is not None:
+                    self.prefix.forget(name)
                 self._collect(name)
         return added, removed
 

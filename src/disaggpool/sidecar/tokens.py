@@ -11,14 +11,16 @@ Three sources (`TokenizerConfig.kind`):
   prompts (exact, in process); chat still goes to ``/tokenize``, because the chat template lives
   in the model's tokenizer config, not in ``tokenizer.json``.
 
-A prompt given as token ids is counted directly whatever the source.
+A prompt given as token ids is counted directly whatever the source. Every source also hands back
+the token ids themselves (`Prompt.ids`; `/tokenize` returns them with the count), which the
+router's prefix index turns into block ids.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -26,7 +28,14 @@ from disaggpool.sidecar.config import TokenizerConfig
 from disaggpool.sidecar.state import PoolState
 from disaggpool.wordtokenizer import Tokenizer
 
-__all__ = ["PromptCounter", "TokenizeError"]
+__all__ = ["Prompt", "PromptCounter", "TokenizeError"]
+
+
+class Prompt(NamedTuple):
+    """A measured prompt: its length in tokens, and its token ids when the source gave them."""
+
+    tokens: int
+    ids: tuple[int, ...] | None = None
 
 
 class TokenizeError(RuntimeError):
@@ -53,13 +62,13 @@ class PromptCounter:
             self._hf = HFTokenizer.from_file(config.path)
         self._rng = random.Random(0)
 
-    async def completion(self, prompt: str | Sequence[int], add_special: bool = True) -> int:
+    async def completion(self, prompt: str | Sequence[int], add_special: bool = True) -> Prompt:
         if not isinstance(prompt, str):
-            return len(prompt)
+            return _measured(prompt)
         if self._emulated is not None:
-            return len(self._emulated.encode(prompt, add_special_tokens=add_special))
+            return _measured(self._emulated.encode(prompt, add_special_tokens=add_special))
         if self._hf is not None:
-            return len(self._hf.encode(prompt, add_special_tokens=add_special).ids)
+            return _measured(self._hf.encode(prompt, add_special_tokens=add_special).ids)
         body = {"model": self.model, "prompt": prompt, "add_special_tokens": add_special}
         return await self._remote(body)
 
@@ -68,10 +77,10 @@ class PromptCounter:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         add_special: bool = False,
-    ) -> int:
+    ) -> Prompt:
         if self._emulated is not None:
             text = self._emulated.chat_prompt(messages, add_generation_prompt)
-            return len(self._emulated.encode(text, add_special_tokens=add_special))
+            return _measured(self._emulated.encode(text, add_special_tokens=add_special))
         body = {
             "model": self.model,
             "messages": list(messages),
@@ -80,7 +89,7 @@ class PromptCounter:
         }
         return await self._remote(body)
 
-    async def _remote(self, body: dict[str, Any]) -> int:
+    async def _remote(self, body: dict[str, Any]) -> Prompt:
         pods = [i for i in self.state.members("prefill") if i.healthy]
         if not pods:
             raise TokenizeError("no healthy prefill pod to tokenize the prompt")
@@ -91,7 +100,9 @@ class PromptCounter:
                 async with self.session.post(f"{inst.member.url}/tokenize", json=body) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status == 200 and isinstance(data.get("count"), int):
-                        return int(data["count"])
+                        ids = data.get("tokens")
+                        valid = isinstance(ids, list) and len(ids) == data["count"]
+                        return Prompt(int(data["count"]), tuple(ids) if valid else None)
                     if 400 <= resp.status < 500:
                         err = (data.get("error") or {}) if isinstance(data, dict) else {}
                         raise ValueError(err.get("message") or f"HTTP {resp.status}")
@@ -99,3 +110,7 @@ class PromptCounter:
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 last = f"{inst.name}: {exc or type(exc).__name__}"
         raise TokenizeError(f"/tokenize failed ({last})")
+
+
+def _measured(ids: Sequence[int]) -> Prompt:
+    return Prompt(len(ids), tuple(ids))

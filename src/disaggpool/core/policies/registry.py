@@ -97,14 +97,12 @@ POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 NEEDS_DATASHEET: frozenset[str] = frozenset({"uncalibrated", "study_weighted_datasheet"})
 
 #: Policies that are only prefix-cache rules: without a router that keeps a prefix index (the
-#: simulator's `RouterOptions.prefix_index`; the sidecar keeps none yet) they reduce to load
-#: counting, so the sidecar and the CRD do not offer them.
+#: simulator's `RouterOptions.prefix_index`, the sidecar's `prefix_index`) they reduce to load
+#: counting, so every router refuses them with the index off.
 NEEDS_PREFIX_INDEX: frozenset[str] = frozenset({"cache_aware", "dynamo_kv"})
 
 #: What a deployed router (the sidecar, the CRD) can run.
-ROUTER_POLICIES: tuple[str, ...] = tuple(
-    p for p in _FACTORIES if p not in NEEDS_DATASHEET and p not in NEEDS_PREFIX_INDEX
-)
+ROUTER_POLICIES: tuple[str, ...] = tuple(p for p in _FACTORIES if p not in NEEDS_DATASHEET)
 
 
 def _require(datasheet: Datasheet | None) -> Datasheet:
