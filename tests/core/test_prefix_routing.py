@@ -13,7 +13,7 @@ from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFea
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.ledger import Entry, Ledger, view
 from disaggpool.core.policies.registry import make_policy
-from disaggpool.core.prefix_index import PrefixIndex
+from disaggpool.core.prefix_index import EventIndex, PrefixIndex, prompt_blocks
 from disaggpool.core.profile import PrefillModel
 
 SLO = SLOClass("chat", 3.0, 0.1)
@@ -91,3 +91,24 @@ def test_peer_rules() -> None:
     dyn = make_policy("dynamo_kv")
     assert dyn.route(req, _pool({"p0": 3000, "p1": 0}), rng).prefill == "p1"
     assert dyn.route(req, _pool({"p0": 500, "p1": 0}), rng).prefill == "p0"
+
+
+def test_event_index_recomputes_the_routers_ids_from_the_events() -> None:
+    """Whatever hashes the engine announces, blocks chained from its tokens get the ids the
+    router computes from the same tokens; removals and a clear take them away."""
+    tokens = list(range(100, 140))  # 40 tokens: two full blocks of 16 and a tail
+    blocks = prompt_blocks(tokens, 16)
+    assert len(blocks) == 2
+    index = EventIndex()
+    assert index.hit_tokens(blocks, 40) == 0
+    index.stored([b"h0"], None, [tokens[:16]], 16)  # the engine's own opaque hashes
+    index.stored([b"h1"], b"h0", [tokens[16:32]], 16)
+    assert index.hit_tokens(blocks, 40) == 32
+    other = prompt_blocks([*tokens[:16], *range(16)], 16)  # same first block only
+    assert index.hit_tokens(other, 40) == 16
+    index.removed([b"h1", b"unknown"])
+    assert index.hit_tokens(blocks, 40) == 16
+    index.stored([b"h9"], b"never-announced", [tokens[16:32]], 16)  # cannot be chained
+    assert index.unlinked == 1 and index.hit_tokens(blocks, 40) == 16
+    index.cleared()
+    assert index.hit_tokens(blocks, 40) == 0 and index.size() == 0

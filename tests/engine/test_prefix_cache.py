@@ -31,14 +31,14 @@ def test_eviction_order_is_vllms() -> None:
     """Released blocks queue by release time, a request's deepest first; a hit takes a block
     out of the queue; blocks in use are never evicted."""
     cache = PrefixCache(1)
-    cache.acquire((1, 2, 3), 3)  # request A
-    cache.acquire((7, 8), 2)  # request B
+    assert cache.acquire((1, 2, 3), 3) == [0, 1, 2]  # request A: three blocks stored
+    assert cache.acquire((7, 8), 2) == [0, 1]  # request B
     assert cache.release((1, 2, 3), 3) == 3  # A done: queue 3, 2, 1
     assert cache.release((7, 8), 2) == 2  # B done: queue 3, 2, 1, 8, 7
-    cache.acquire((1, 2), 2)  # a hit on 1 and 2 takes them out: queue 3, 8, 7
-    assert cache.evict_to(2) == 1 and not cache.holds(3)  # the deepest block of A went first
-    assert cache.evict_to(1) == 1 and not cache.holds(8) and cache.holds(7)
-    assert cache.evict_to(0) == 1 and cache.holds(1) and cache.holds(2)  # in use: kept
+    assert cache.acquire((1, 2), 2) == []  # a hit on 1 and 2 takes them out: queue 3, 8, 7
+    assert cache.evict_to(2) == [3] and not cache.holds(3)  # the deepest block of A went first
+    assert cache.evict_to(1) == [8] and not cache.holds(8) and cache.holds(7)
+    assert cache.evict_to(0) == [7] and cache.holds(1) and cache.holds(2)  # in use: kept
     assert cache.release((1, 2), 2) == 2 and cache.cached_tokens == 2
 
 
@@ -47,7 +47,9 @@ def test_need_counts_what_comes_into_use_and_release_gives_it_back() -> None:
     assert cache.need_tokens((1, 2, 3), 10) == 10  # two new blocks and a private 2-token tail
     cache.acquire((1, 2, 3), 10)
     assert cache.need_tokens((1, 2, 5), 10) == 2  # 1 and 2 are in use already: shared
-    cache.acquire((1, 2, 5), 10)
+    assert cache.acquire((1, 2, 5), 10) == []  # its third block is only its private tail
+    assert cache.acquire((1, 2, 5, 6), 16) == [2, 3]  # in use by the first: stored anew
+    assert cache.release((1, 2, 5, 6), 16) == 8
     assert cache.release((1, 2, 3), 10) == 2  # only its tail: the blocks are still shared
     assert cache.release((1, 2, 5), 10) == 10
     assert cache.need_tokens((1, 2), 8) == 8  # cached but free: they come back into use

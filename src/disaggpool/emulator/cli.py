@@ -4,6 +4,7 @@
                        [--served-model-name NAME ...] [--max-model-len N] [--seed S]
                        [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
                        [--startup-delay SECONDS] [--[no-]enable-prefix-caching]
+                       [--kv-events-config JSON]
 
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
@@ -26,6 +27,7 @@ from disaggpool import precise_loop
 from disaggpool.emulator.config import EmulatorConfig, side_channel_from_env
 from disaggpool.emulator.server import serve
 from disaggpool.errors import InputError
+from disaggpool.formats.kv_events import KVEventsConfig, parse_kv_events_config
 from disaggpool.formats.profiles import resolve_profile
 
 __all__ = ["build_parser", "config_from_args", "main", "run"]
@@ -76,6 +78,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=True,
         help="reuse the KV of cached leading prompt blocks on prefill legs (default: on, as vLLM)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV events config as JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
     return p
 
 
@@ -94,6 +102,9 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         jitter=args.jitter,
         startup_delay=args.startup_delay,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_events=parse_kv_events_config(args.kv_events_config)
+        if args.kv_events_config
+        else KVEventsConfig(),
         host=args.host,
         port=args.port,
         side_channel_host=host,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.errors import InputError
+from disaggpool.formats.kv_events import KVEventsConfig
 
 __all__ = ["DEFAULT_MODEL", "EmulatorConfig", "side_channel_from_env"]
 
@@ -62,6 +63,8 @@ class EmulatorConfig:
     # vLLM's prefix caching (on by default there too): prefill legs reuse the cached KV of
     # their prompt's leading full blocks (`engine.prefix_cache`).
     enable_prefix_caching: bool = True
+    # vLLM's --kv-events-config: the prefill engine's cache changes published over ZMQ.
+    kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
     # How long a decode leg waits for the prefill side to answer a KV read before failing it.
     pull_timeout: float = 5.0
 

@@ -136,6 +136,8 @@ class PrefillDriver(_Driver):
         rng_seed: int,
         name: str = "prefill",
         prefix_caching: bool = False,
+        on_kv_events: Callable[[list[tuple[str, EngineRequest | None, list[int]]]], None]
+        | None = None,
     ) -> None:
         super().__init__()
         self.engine = PrefillEngine(
@@ -144,14 +146,21 @@ class PrefillDriver(_Driver):
             jitter=jitter,
             rng=random.Random(rng_seed),
             prefix_caching=prefix_caching,
+            kv_events=on_kv_events is not None,
         )
         self._listeners: dict[int, PrefillListener] = {}
+        self._on_kv_events = on_kv_events  # after each step that changed the prefix cache
 
     def _next(self) -> float | None:
         return self.engine.next_wakeup()
 
     def _advance(self, t: float) -> None:
-        for req in self.engine.advance(t):
+        done = self.engine.advance(t)
+        events = self.engine.kv_events
+        if events and self._on_kv_events is not None:
+            self._on_kv_events(list(events))
+            events.clear()
+        for req in done:
             listener = self._listeners.pop(req.index, None)
             if listener is not None:
                 listener.on_prefilled(t)

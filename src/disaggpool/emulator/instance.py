@@ -41,6 +41,7 @@ from disaggpool.emulator.engine_driver import DecodeDriver, PrefillDriver
 from disaggpool.emulator.errors import ApiError
 from disaggpool.emulator.job import Done, Failed, Job, Tokens
 from disaggpool.emulator.kv_lending import KVLender
+from disaggpool.emulator.kv_publisher import KVEventPublisher, external_hash, stored_runs
 from disaggpool.emulator.kv_side_channel import (
     KVReader,
     KVReadError,
@@ -51,6 +52,7 @@ from disaggpool.emulator.kv_side_channel import (
 from disaggpool.emulator.metrics import EmulatorMetrics, GaugeSnapshot
 from disaggpool.emulator.requests import GenerationRequest
 from disaggpool.engine.request import EngineRequest
+from disaggpool.formats.kv_events import BlockRemoved, BlockStored
 from disaggpool.wordtokenizer import Tokenizer
 
 __all__ = ["EmulatorInstance"]
@@ -85,6 +87,7 @@ class EmulatorInstance:
         self._rng = random.Random(config.seed)
         self._index = itertools.count()
         self._jobs: dict[int, Job] = {}
+        self.kv_events: KVEventPublisher | None = None  # with --kv-events-config
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prefill: PrefillDriver | None = None
         self._decode: DecodeDriver | None = None
@@ -94,11 +97,15 @@ class EmulatorInstance:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         seeds = random.Random(self.config.seed ^ 0x5EED)
+        if self.config.kv_events.publishing:
+            self.kv_events = KVEventPublisher(self.config.kv_events, self.config.host)
+            self.kv_events.start()
         self._prefill = PrefillDriver(
             self.profile,
             jitter=self.config.jitter,
             rng_seed=seeds.getrandbits(64),
             prefix_caching=self.config.enable_prefix_caching,
+            on_kv_events=self._publish_kv_events if self.kv_events is not None else None,
         )
         self._decode = DecodeDriver(
             self.profile,
@@ -121,6 +128,25 @@ class EmulatorInstance:
         for driver in (self._prefill, self._decode):
             if driver is not None:
                 driver.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    def _publish_kv_events(
+        self, changes: list[tuple[str, EngineRequest | None, list[int]]]
+    ) -> None:
+        """One prefill step's cache changes as one batch of vLLM KV events (`kv_publisher`)."""
+        assert self.kv_events is not None
+        events: list[BlockStored | BlockRemoved] = []
+        size = self.config.block_size
+        for kind, req, ids in changes:
+            if kind == "removed":
+                events.append(BlockRemoved(tuple(external_hash(b) for b in ids)))
+                continue
+            job = self._jobs.get(req.index) if req is not None else None
+            if job is None or req is None:  # aborted in the same step: nothing to name
+                continue
+            events.extend(stored_runs(req.blocks, ids, job.spec.prompt_ids, size))
+        self.kv_events.publish(events)
 
     @property
     def prefill(self) -> PrefillDriver:

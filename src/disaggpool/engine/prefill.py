@@ -44,9 +44,16 @@ class PrefillEngine:
         jitter: float = 0.0,
         rng: random.Random | None = None,
         prefix_caching: bool = False,
+        kv_events: bool = False,
     ) -> None:
         self.name = name
         self.prefix_caching = prefix_caching
+        # With `kv_events`, what vLLM's KV events announce, in order, until the caller drains
+        # it: ("stored", request, positions of its blocks stored anew) and ("removed", None,
+        # evicted block ids). Off in the simulator, which has nobody to tell.
+        self.kv_events: list[tuple[str, EngineRequest | None, list[int]]] | None = (
+            [] if kv_events else None
+        )
         self.cache: PrefixCache | None = None  # made for the first request that has blocks
         self.prefix_queries = 0  # prompt tokens looked up (admitted requests with blocks)
         self.prefix_hits = 0
@@ -134,9 +141,15 @@ class PrefillEngine:
         if self.kv_used + need > self.capacity:
             return None
         hit = cache.hit_tokens(req.blocks, n)
-        cache.acquire(req.blocks, n)
+        stored = cache.acquire(req.blocks, n)
         self.kv_used += need
-        cache.evict_to(self.capacity - self.kv_used)
+        removed = cache.evict_to(self.capacity - self.kv_used)
+        if self.kv_events is not None:
+            # vLLM hands out the evicted blocks to the new ones: removals come first.
+            if removed:
+                self.kv_events.append(("removed", None, removed))
+            if stored:
+                self.kv_events.append(("stored", req, stored))
         self.prefix_queries += n
         self.prefix_hits += hit
         req.cached_tokens = hit

@@ -58,16 +58,23 @@ class PrefixCache:
         refs = self._refs
         return prompt_tokens - full * b + sum(b for block in blocks[:full] if block not in refs)
 
-    def acquire(self, blocks: Sequence[int], prompt_tokens: int) -> None:
-        """Admit a request: its full blocks are now in use (hits touched, misses stored)."""
+    def acquire(self, blocks: Sequence[int], prompt_tokens: int) -> list[int]:
+        """Admit a request: its full blocks are now in use (hits touched, misses stored).
+        Returns the positions (in `blocks`) of the blocks stored anew, what vLLM announces as
+        `BlockStored`."""
         refs, free = self._refs, self._free
-        for block in blocks[: prompt_tokens // self.block_tokens]:
+        stored = []
+        for i, block in enumerate(blocks[: prompt_tokens // self.block_tokens]):
             count = refs.get(block)
             if count is not None:
                 refs[block] = count + 1
+                continue
+            if block in free:  # cached, unused: in use again
+                del free[block]
             else:
-                free.pop(block, None)
-                refs[block] = 1
+                stored.append(i)
+            refs[block] = 1
+        return stored
 
     def release(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """A request gave its blocks back (tail first); returns the tokens no longer in use
@@ -86,13 +93,12 @@ class PrefixCache:
                 freed += b
         return freed
 
-    def evict_to(self, room_tokens: int) -> int:
+    def evict_to(self, room_tokens: int) -> list[int]:
         """Drop least recently released blocks until the cached tokens fit `room_tokens`;
-        returns how many blocks went."""
-        gone = 0
+        returns the blocks that went (vLLM's `BlockRemoved`)."""
+        gone = []
         while self._free and len(self._free) * self.block_tokens > room_tokens:
-            self._free.popitem(last=False)
-            gone += 1
+            gone.append(self._free.popitem(last=False)[0])
         return gone
 
     def __contains__(self, block: object) -> bool:

@@ -11,7 +11,8 @@
 * scraping: every pod's `/metrics` each `scrape_interval_s`, concurrently; a pod that refuses
   the connection, or times out or answers garbage `SCRAPE_FAILURES` times in a row, is marked
   unhealthy until a scrape succeeds;
-* expiry: requests nobody reported on within `inflight_ttl_s` are forgotten.
+* expiry: requests nobody reported on within `inflight_ttl_s` are forgotten;
+* KV events: with `kv_events`, the prefill pods' vLLM KV events (`sidecar.kv_events`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from disaggpool.formats.profiles import load_profile, load_yaml
 from disaggpool.kubeclient import Kube, KubeUnavailable, parse_selector, path_for, pod_ready
 from disaggpool.labels import POD_LABEL, PROFILE_KEY, ROLE_LABEL, ROLES
 from disaggpool.sidecar.config import KubernetesSource, Member, SidecarConfig, parse_members
+from disaggpool.sidecar.kv_events import KVEventSubscribers
 from disaggpool.sidecar.scrape import MetricsFormatError, parse_gauges
 from disaggpool.sidecar.service import RoutingService
 
@@ -43,8 +45,11 @@ log = logging.getLogger("disaggpool.sidecar")
 SCRAPE_FAILURES = 3  # consecutive slow or malformed scrapes before a pod counts as unhealthy
 
 
-def members_from_pods(pods: Mapping[str, Mapping[str, Any]], port: int) -> list[Member]:
-    """The Ready, addressable pods with a valid role label."""
+def members_from_pods(
+    pods: Mapping[str, Mapping[str, Any]], port: int, kv_events_port: int = 0
+) -> list[Member]:
+    """The Ready, addressable pods with a valid role label; with `kv_events_port`, each prefill
+    pod's KV events endpoint on its IP."""
     out = []
     for name, pod in sorted(pods.items()):
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
@@ -52,7 +57,10 @@ def members_from_pods(pods: Mapping[str, Mapping[str, Any]], port: int) -> list[
         ip = status.get("podIP")
         if role in ROLES and ip and pod_ready(pod) and not meta.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
-            out.append(Member(name, role, f"http://{host}:{port}"))
+            events = (
+                f"tcp://{host}:{kv_events_port}" if kv_events_port and role == "prefill" else ""
+            )
+            out.append(Member(name, role, f"http://{host}:{port}", events))
     return out
 
 
@@ -100,6 +108,7 @@ class Collectors:
         self._profile_errors: dict[str, str] = {}
         self._k8s_profiles: dict[str, CalibrationProfile | InputError] = {}
         self._members_file_error = ""
+        self._events: KVEventSubscribers | None = None
 
     @property
     def profile_errors(self) -> dict[str, str]:
@@ -125,8 +134,14 @@ class Collectors:
             self._spawn(self._watch(cfg.profiles_kubernetes, "ConfigMap", self._on_configmaps))
         self._spawn(self._scrape_loop())
         self._spawn(self._expire_loop())
+        if cfg.kv_events is not None:
+            self._events = KVEventSubscribers(self.service, cfg.kv_events)
+            self._events.start()
 
     async def stop(self) -> None:
+        if self._events is not None:
+            await self._events.stop()
+            self._events = None
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,7 +177,12 @@ class Collectors:
 
     def _on_pods(self, pods: dict[str, dict[str, Any]]) -> None:
         assert self.config.members_kubernetes is not None
-        self._set_members(members_from_pods(pods, self.config.members_kubernetes.port))
+        events = self.config.kv_events
+        self._set_members(
+            members_from_pods(
+                pods, self.config.members_kubernetes.port, events.port if events else 0
+            )
+        )
         self._apply_profiles()
 
     async def _watch(

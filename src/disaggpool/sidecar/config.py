@@ -39,11 +39,27 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Member:
-    """One vLLM pod of the pool: its name, role and base URL."""
+    """One vLLM pod of the pool: its name, role, base URL, and where it publishes its KV events
+    (a ZMQ endpoint such as ``tcp://10.0.0.5:5557``; "" when the router does not listen)."""
 
     name: str
     role: Role
     url: str
+    kv_events: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVEventsSource:
+    """Subscribing to the prefill pods' vLLM KV events (CONFIG.md, "The prefix index").
+
+    `port`: with Kubernetes membership, each pod's events are at ``tcp://<pod IP>:<port>``
+    (static and file members name their own `kv_events` endpoint). `topic`: the subscription
+    prefix. `stale_after_s`: a pod sent prompt blocks it did not hold that announces nothing for
+    this long is read from the approximate index until it publishes again."""
+
+    port: int = 5557
+    topic: str = ""
+    stale_after_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +108,7 @@ class SidecarConfig:
     profiles_kubernetes: KubernetesSource | None = None
     decode_binding: Literal["arrival", "late"] = "arrival"
     prefix_index: bool = False
+    kv_events: KVEventsSource | None = None
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -130,6 +147,7 @@ _TOP = {
     "profiles",
     "decode_binding",
     "prefix_index",
+    "kv_events",
     "pd_decider",
     "local_prefill_below",
 }
@@ -188,6 +206,10 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     kwargs["prefix_index"] = rd.boolean(top.get("prefix_index", False), "prefix_index")
     if policy in NEEDS_PREFIX_INDEX and not kwargs["prefix_index"]:
         raise rd.fail("policy", f"{policy!r} routes by prefix cache: needs prefix_index: true")
+    if "kv_events" in top:
+        if not kwargs["prefix_index"]:
+            raise rd.fail("kv_events", "feeds the prefix index: needs prefix_index: true")
+        kwargs["kv_events"] = _kv_events(rd, top["kv_events"])
     default = default_options(policy)
     pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
@@ -204,6 +226,19 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         predictor=predictor,
         **kwargs,
     )
+
+
+def _kv_events(rd: FieldReader, raw: Any) -> KVEventsSource:
+    k = rd.mapping(raw or {}, "kv_events")
+    rd.known(k, "kv_events", {"port", "topic", "stale_after_s"})
+    port = rd.integer(k.get("port", 5557), "kv_events.port", minimum=1)
+    if port > 65535:
+        raise rd.fail("kv_events.port", f"not a port: {port}")
+    topic = k.get("topic", "")
+    if not isinstance(topic, str):
+        raise rd.fail("kv_events.topic", "must be a string")
+    stale = rd.number(k.get("stale_after_s", 10.0), "kv_events.stale_after_s", positive=True)
+    return KVEventsSource(port, topic, stale)
 
 
 def _address(rd: FieldReader, value: Any, path: str) -> str:
@@ -276,12 +311,18 @@ def parse_members(raw: Any, rd: FieldReader, path: str) -> tuple[Member, ...]:
         for i, item in enumerate(items):
             at = f"{path}.{role}[{i}]"
             entry: Mapping[str, Any] = rd.mapping(item, at)
-            rd.known(entry, at, {"name", "url"})
+            rd.known(entry, at, {"name", "url", "kv_events"})
             url = rd.string(entry.get("url"), f"{at}.url").rstrip("/")
             parsed = urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise rd.fail(f"{at}.url", f"must be an http(s) base URL, got {url!r}")
-            members.append(Member(rd.string(entry.get("name"), f"{at}.name"), role, url))
+            events = entry.get("kv_events", "")
+            if events:
+                events = rd.string(events, f"{at}.kv_events")
+                host, _, port = events.removeprefix("tcp://").rpartition(":")
+                if not events.startswith("tcp://") or not host or not port.isdigit():
+                    raise rd.fail(f"{at}.kv_events", f"must be tcp://HOST:PORT, got {events!r}")
+            members.append(Member(rd.string(entry.get("name"), f"{at}.name"), role, url, events))
     names = [x.name for x in members]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -29,6 +29,10 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   those, what the router's index expected cached there; their ratio is the hit share the router
   counts on, to set beside the engine's `vllm:prefix_cache_hits`), and
   `disaggpool_prefix_index_blocks{pod}` (blocks the index holds for the pod);
+* with `kv_events`: `disaggpool_prefix_index_source{pod,source}` (1 for the index read for the
+  pod: ``events`` or ``routed``, the approximate one),
+  `disaggpool_kv_events_batches_total{pod}`, `disaggpool_kv_events_malformed_total{pod}`
+  (dropped) and `disaggpool_kv_events_gaps_total{pod}` (lost batches: its index started over);
 * `disaggpool_frontdoor_requests_total{endpoint,code}`,
   `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`.
 
@@ -56,9 +60,12 @@ _ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
 
 class _PodCollector(Collector):
-    def __init__(self, state: PoolState, now: Callable[[], float]) -> None:
+    def __init__(
+        self, state: PoolState, now: Callable[[], float], stale_after_s: float | None
+    ) -> None:
         self.state = state
         self.now = now
+        self.stale_after_s = stale_after_s  # None: no KV events
 
     def collect(self) -> Iterator[Metric]:
         now = self.now()
@@ -86,6 +93,10 @@ class _PodCollector(Collector):
             "disaggpool_prefix_index_blocks", "prompt blocks the router's prefix index holds",
             labels=["pod"],
         )  # fmt: skip
+        source = GaugeMetricFamily(
+            "disaggpool_prefix_index_source", "1 for the prefix index read for the pod",
+            labels=["pod", "source"],
+        )  # fmt: skip
         index = self.state.prefix
         accounts = self.state.ledger.accounts
         for inst in self.state.instances.values():
@@ -100,16 +111,34 @@ class _PodCollector(Collector):
                 age.add_metric([inst.name], max(0.0, now - inst.profile_loaded_at))
                 info.add_metric([inst.name, p.name, p.quality], 1.0)
             if index is not None and inst.role == "prefill":
-                blocks.add_metric([inst.name], float(index.size(inst.name)))
+                events = (
+                    self.state.cached_index(inst.name, now, self.stale_after_s)
+                    if self.stale_after_s is not None and inst.member.kv_events
+                    else None
+                )
+                held = events.size() if events is not None else index.size(inst.name)
+                blocks.add_metric([inst.name], float(held))
+                if self.stale_after_s is not None and inst.member.kv_events:
+                    live = events is not None
+                    source.add_metric([inst.name, "events"], 1.0 if live else 0.0)
+                    source.add_metric([inst.name, "routed"], 0.0 if live else 1.0)
         yield from (healthy, inflight, trusted, age, info)
         if index is not None:
             yield blocks
+        if self.stale_after_s is not None:
+            yield source
 
 
 class SidecarMetrics:
     """All series of one sidecar (see the module docstring)."""
 
-    def __init__(self, state: PoolState, now: Callable[[], float], window: int = 512) -> None:
+    def __init__(
+        self,
+        state: PoolState,
+        now: Callable[[], float],
+        window: int = 512,
+        kv_events_stale_s: float | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -130,6 +159,18 @@ class SidecarMetrics:
         )  # fmt: skip
         self.prefix_hits = Counter(
             "disaggpool_prefix_hit_tokens", "prompt tokens the prefix index expected cached",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.kv_events_batches = Counter(
+            "disaggpool_kv_events_batches", "KV event batches applied to a pod's index",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.kv_events_malformed = Counter(
+            "disaggpool_kv_events_malformed", "KV event messages dropped as malformed",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.kv_events_gaps = Counter(
+            "disaggpool_kv_events_gaps", "gaps in a pod's KV event sequence (index restarted)",
             ["pod"], registry=r,
         )  # fmt: skip
         self.fallbacks = Counter(
@@ -170,7 +211,7 @@ class SidecarMetrics:
         self.prefill_retries = Counter(
             "disaggpool_prefill_retries", "prefill legs retried on another pod", registry=r
         )
-        r.register(_PodCollector(state, now))
+        r.register(_PodCollector(state, now, kv_events_stale_s))
         self._window = window
         self._outcomes: dict[str, collections.deque[bool]] = {}
         self._met: dict[str, int] = {}

@@ -13,7 +13,10 @@ With `prefix_index` on, a request that comes with its token ids (the front door 
 the prefill pods' calibrated block size); the policy is told how many of its tokens each prefill
 pod holds by the router's approximate index, the chosen pod is booked as holding them
 (bounded by its KV capacity) and its ledger entry as that much less work, exactly as the
-simulator's router does (`sim.router`).
+simulator's router does (`sim.router`). A pod whose KV events are heard and live is read from
+its event index instead (`sidecar.state`); when it falls silent after being sent blocks it did
+not hold, the service says so (a warning, `disaggpool_prefix_index_source`) and reads the
+approximate index until it publishes again.
 
 Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
 400), `Overloaded` and its `Shed` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503),
@@ -123,10 +126,17 @@ class RoutingService:
         self.predictor = predictor or make_predictor(config.predictor)
         self.rng = random.Random(seed)
         self.clock = clock
-        self.metrics = SidecarMetrics(self.state, clock, config.heterogeneity_window)
+        events = config.kv_events
+        self.metrics = SidecarMetrics(
+            self.state,
+            clock,
+            config.heterogeneity_window,
+            events.stale_after_s if events is not None else None,
+        )
         self.spread = SlidingSpread(config.heterogeneity_window)
         self._untrusted_logged: set[str] = set()
         self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
+        self._events_live: dict[str, bool] = {}  # pod -> read from its events at the last lookup
 
     # ------------------------------------------------------------------ deciding
     def route(
@@ -227,11 +237,40 @@ class RoutingService:
             (i.profile.block_size for i in pods if i.profile is not None), DEFAULT_BLOCK_TOKENS
         )
         blocks = prompt_blocks(token_ids, block_tokens)
-        return (
-            blocks,
-            block_tokens,
-            index.hits((i.name for i in pods), blocks, prompt_tokens, block_tokens),
-        )
+        by_size = {block_tokens: blocks}
+        events = self.config.kv_events
+        now = self.clock()
+        hits: dict[str, int] = {}
+        for inst in pods:
+            live = None
+            if events is not None and inst.member.kv_events:
+                live = self.state.cached_index(inst.name, now, events.stale_after_s)
+                self._note_source(inst.name, live is not None, inst.events_at >= 0)
+            if live is not None:
+                size = live.block_tokens
+                if size not in by_size:
+                    by_size[size] = prompt_blocks(token_ids, size)
+                h = live.hit_tokens(by_size[size], prompt_tokens)
+            else:
+                h = index.hit_tokens(inst.name, blocks, prompt_tokens, block_tokens)
+            if h:
+                hits[inst.name] = h
+        return blocks, block_tokens, hits
+
+    def _note_source(self, pod: str, live: bool, heard: bool) -> None:
+        """Say when a pod's index switches between its events and the approximate one."""
+        was = self._events_live.get(pod)
+        self._events_live[pod] = live
+        if was is None or was == live:
+            return
+        if live:
+            log.info("pod %s: KV events heard again, reading its prefix index from them", pod)
+        elif heard:
+            log.warning(
+                "pod %s: no KV events since it was sent new prompt blocks: falling back to "
+                "the approximate prefix index",
+                pod,
+            )
 
     def _remember(
         self, pod: str, blocks: tuple[int, ...], prompt_tokens: int, block_tokens: int, hit: int
@@ -246,6 +285,10 @@ class RoutingService:
         self.state.prefix.record(
             pod, blocks, prompt_tokens, block_tokens, capacity or prompt_tokens
         )
+        # It will store blocks it did not hold and should say so (`state.cached_index`).
+        new_blocks = hit < (prompt_tokens - 1) // block_tokens * block_tokens
+        if inst.member.kv_events and new_blocks and inst.awaiting_events_since is None:
+            inst.awaiting_events_since = self.clock()
         self.metrics.prefix_lookups.labels(pod).inc(prompt_tokens)
         self.metrics.prefix_hits.labels(pod).inc(hit)
 

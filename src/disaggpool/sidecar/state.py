@@ -6,7 +6,9 @@ in its `core.ledger.Ledger`, the same ledger the simulator's router keeps; the h
 
 With `prefix_index`, it also keeps a `core.prefix_index.PrefixIndex`: the prompt blocks the router
 sent to each prefill pod (the approximate index; a pod that leaves, or a new pod behind a name,
-holds nothing we know of).
+holds nothing we know of). A pod whose KV events the sidecar hears (`sidecar.kv_events`) also
+has an `EventIndex`, read instead while it is live: it has announced something, and it has not
+kept silent for `stale_after_s` after being sent blocks it did not hold (`cached_index`).
 
 Everything runs on one asyncio loop, so there are no locks: each method is atomic with respect
 to the others. Time is passed in (`now`, monotonic seconds), never read here.
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
 from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, view
-from disaggpool.core.prefix_index import PrefixIndex
+from disaggpool.core.prefix_index import EventIndex, PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.sidecar.config import Member
 
@@ -40,6 +42,9 @@ class Instance:
     removed: bool = False  # gone from membership; kept while requests are still in flight
     view: InstanceSnapshot | None = None  # cached snapshot; None after any change
     view_at: float = 0.0  # when it was built: its TPOT budgets age (core.ledger)
+    events: EventIndex | None = None  # its cache as its KV events announce it (prefill pods)
+    events_at: float = -1.0  # when its last event batch arrived (-1: none yet)
+    awaiting_events_since: float | None = None  # sent new blocks at; cleared by any batch
 
     @property
     def name(self) -> str:
@@ -71,6 +76,7 @@ class PoolState:
             elif inst.removed or inst.member != member:
                 if inst.member.url != member.url:  # a new pod behind the name: forget the old one
                     inst.gauges, inst.healthy, inst.failures = None, True, 0
+                    inst.events, inst.events_at, inst.awaiting_events_since = None, -1.0, None
                     if self.prefix is not None:
                         self.prefix.forget(name)
                 inst.member, inst.removed = member, False
@@ -111,6 +117,27 @@ class PoolState:
         inst.profile, inst.profile_loaded_at = profile, now
         inst.view = None
         return True
+
+    def events_heard(self, name: str, now: float) -> EventIndex | None:
+        """A batch of `name`'s KV events arrived: its event index to apply it to."""
+        inst = self.instances.get(name)
+        if inst is None or inst.removed:
+            return None
+        if inst.events is None:
+            inst.events = EventIndex()
+        inst.events_at, inst.awaiting_events_since = now, None
+        return inst.events
+
+    def cached_index(self, name: str, now: float, stale_after_s: float) -> EventIndex | None:
+        """The event index to read for `name`, or None for the approximate one (the module
+        docstring says when)."""
+        inst = self.instances.get(name)
+        if inst is None or inst.events is None or inst.events_at < 0:
+            return None
+        since = inst.awaiting_events_since
+        if since is not None and now - since > stale_after_s:
+            return None
+        return inst.events
 
     # ---------------------------------------------------------------- request lifecycle
     @property
