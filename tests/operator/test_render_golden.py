@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,7 @@ def test_deleted_pods_lose_their_profiles_and_jobs_and_unready_pods_wait() -> No
         ({"model": {"name": ""}}, "model.name"),
         ({"router": {"policy": "cache_aware"}}, "router.policy"),
         ({"router": {"prefixIndex": "yes"}}, "router.prefixIndex"),
+        ({"router": {"kvEvents": True}}, "router.kvEvents"),
     ],
 )
 def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None:
@@ -211,12 +213,27 @@ def test_rendered_router_config_is_accepted_by_the_sidecar(sample: str) -> None:
     )
 
 
-def test_prefix_index_reaches_the_router_config() -> None:
-    pool, spec = _spec("small.yaml", router__policy="dynamo_kv", router__prefixIndex=True)
-    cm = next(
-        o
-        for o in render_pool(pool, spec)
-        if o["kind"] == "ConfigMap" and "sidecar.yaml" in o["data"]
+def test_prefix_index_and_kv_events_reach_the_router_and_the_prefill_pods() -> None:
+    pool, spec = _spec(
+        "small.yaml", router__policy="dynamo_kv", router__prefixIndex=True, router__kvEvents=True
     )
+    docs = render_pool(pool, spec)
+    cm = next(o for o in docs if o["kind"] == "ConfigMap" and "sidecar.yaml" in o["data"])
     config = yaml.safe_load(cm["data"]["sidecar.yaml"])
     assert (config["policy"], config["prefix_index"]) == ("dynamo_kv", True)
+    assert config["kv_events"] == {"port": 5557}
+    engines = {
+        d["metadata"]["labels"]["disaggpool.io/role"]: d["spec"]["template"]["spec"]["containers"][
+            0
+        ]
+        for d in docs
+        if d["kind"] == "Deployment" and "disaggpool.io/role" in d["metadata"]["labels"]
+    }
+    args = engines["prefill"]["args"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert events == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+    }
+    assert "--kv-events-config" not in engines["decode"]["args"]

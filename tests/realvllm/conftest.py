@@ -6,7 +6,8 @@ process (the project's ``.venv``) only talks HTTP to them. See ``tests/realvllm/
 Engines (session scoped, started in parallel at the first test that needs them, only the groups
 that the selected tests use):
 
-- ``single_engine``: one plain engine (no KV connector);
+- ``single_engine``: one plain engine (no KV connector), publishing its KV events by connecting
+  a ZMQ PUB to ``tcp://127.0.0.1:<kv_events_port>`` (a test binds the SUB there: loopback only);
 - ``pd_pair``: a prefill engine (``kv_role=kv_producer``) and a decode engine
   (``kv_role=kv_consumer``) with NixlConnector over host memory; if that pair does not come up,
   it is restarted once with ``kv_both`` on both sides (the roles the pair first ran with,
@@ -122,6 +123,7 @@ class Engine:
     env: dict[str, str]
     kv_role: str | None = None
     side_channel_port: int | None = None
+    kv_events_port: int | None = None
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
@@ -214,7 +216,14 @@ def _engine_env(omp_bind: str, side_channel_port: int | None) -> dict[str, str]:
     return env
 
 
-def make_engine(name: str, log_dir: Path, omp_bind: str, kv_role: str | None = None) -> Engine:
+def make_engine(
+    name: str,
+    log_dir: Path,
+    omp_bind: str,
+    kv_role: str | None = None,
+    *,
+    kv_events: bool = False,
+) -> Engine:
     port = free_port()
     cmd = [
         str(VENV / "bin" / "python"),
@@ -238,6 +247,18 @@ def make_engine(name: str, log_dir: Path, omp_bind: str, kv_role: str | None = N
         side = free_port()
         cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
+    events_port = None
+    if kv_events:
+        # No "*" in the endpoint: vLLM connects its PUB instead of binding, so the test's SUB
+        # binds on loopback and nothing listens beyond it.
+        events_port = free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{events_port}",
+            "topic": "kv@single",
+        }
+        cmd += ["--kv-events-config", json.dumps(events)]
     return Engine(
         name=name,
         port=port,
@@ -246,6 +267,7 @@ def make_engine(name: str, log_dir: Path, omp_bind: str, kv_role: str | None = N
         env=_engine_env(omp_bind, side),
         kv_role=kv_role,
         side_channel_port=side,
+        kv_events_port=events_port,
     )
 
 
@@ -391,7 +413,7 @@ class Launcher:
     def start_all(self) -> None:
         p_cpus, _ = _cpu_sets()
         if SINGLE in self.groups:
-            self._single = make_engine("single", self.log_dir, p_cpus)
+            self._single = make_engine("single", self.log_dir, p_cpus, kv_events=True)
             self._single.start()
             self.engines.append(self._single)
         if PD in self.groups:

@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 ROUTER_GRPC_PORT, ROUTER_HTTP_PORT = 50051, 8000
+KV_EVENTS_PORT = 5557  # where prefill pods publish their KV events (vLLM's default endpoint)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from disaggpool.labels import (
     format_selector,
 )
 from disaggpool.operator.names import (
+    KV_EVENTS_PORT,
     ROUTER_GRPC_PORT,
     ROUTER_HTTP_PORT,
     PoolRef,
@@ -115,6 +116,13 @@ def _vllm_deployment(
     ]
     if m.max_model_len:
         args += ["--max-model-len", str(m.max_model_len)]
+    if spec.router.kv_events and role.role == "prefill":
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        }
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     args += [*e.extra_args, *variant.extra_args]
     env: list[dict[str, Any]] = [
         # P copies this host verbatim into kv_transfer_params.remote_host; D dials it, so it must be
@@ -249,6 +257,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "pd_decider": r.pd_decider,
         "local_prefill_below": r.local_prefill_below,
         "prefix_index": r.prefix_index,
+        **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,

@@ -53,6 +53,7 @@ __all__ = [
 MANAGED_VLLM_FLAGS = (
     "--port",
     "--kv-transfer-config",
+    "--kv-events-config",
     "--tensor-parallel-size",
     "--served-model-name",
 )
@@ -163,6 +164,7 @@ class RouterSpec:
     pd_decider: bool = False
     local_prefill_below: int = 0
     prefix_index: bool = False
+    kv_events: bool = False
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -379,12 +381,15 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         pd_decider=rt.boolean("pdDecider", default_options(policy).pd_decider),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         prefix_index=rt.boolean("prefixIndex", False),
+        kv_events=rt.boolean("kvEvents", False),
         resources=rt.section("resources").data,
     )
     if router.decode_binding not in ("arrival", "late"):
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
     if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
         rt.problem("pdDecider", f"needs a calibrated policy, not {router.policy!r}")
+    if router.kv_events and not router.prefix_index:
+        rt.problem("kvEvents", "feeds the prefix index: needs prefixIndex: true")
     if router.policy in NEEDS_PREFIX_INDEX and not router.prefix_index:
         rt.problem("policy", f"{router.policy!r} routes by prefix cache: needs prefixIndex: true")
     if router.policy not in ROUTER_POLICIES:
