@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -91,8 +92,9 @@ def test_kv_pressure_adds_preemption_penalty() -> None:
 
 
 def test_kv_beyond_capacity_is_not_free() -> None:
-    # Capacity 100,000 less the 2% headroom = 98,000. Both instances are full: a capped mean
-    # context would price them alike; the one holding more must cost more, by d2 per token.
+    # Capacity 100,000 less the 2% headroom = 98,000. A step never holds more, so both full
+    # instances run the same step; but the context beyond the capacity is paid in preemptions
+    # and recomputation: the completion time charges d2 per token over it for each of o steps.
     full = InstanceSnapshot(
         "d", "decode", running=4, kv_tokens_used=98_000, remaining_output_tokens=400.0
     )
@@ -101,23 +103,32 @@ def test_kv_beyond_capacity_is_not_free() -> None:
     )
     a = costmodel.decode_estimate(request(), full, PROFILE, 0.0)
     b = costmodel.decode_estimate(request(), over, PROFILE, 0.0)
-    assert a.tau_s == pytest.approx(0.02 + 0.001 * 5 + 1e-6 * (98_000 + 500 + 5 * 50))
-    assert b.tau_s - a.tau_s == pytest.approx(1e-6 * 1000)
-    assert b.act_s > a.act_s
+    assert a.tau_s == b.tau_s == pytest.approx(0.02 + 0.001 * 5 + 1e-6 * 98_000)
+    assert b.act_s - a.act_s >= 100 * 1e-6 * 1000 - 1e-9
 
 
 def test_preemption_probability_from_the_kv_peak() -> None:
-    # peak = 4000 + 500 + 5 * min(100 + 50, r_bar = 100) = 5000 against 98,000: no risk
+    # Contexts of 1,000 tokens with 100 left to generate: finishing sequences free more than the
+    # batch grows, so the peak is now, k_ahead + n = 4,500, far under 98,000: no risk.
     roomy = InstanceSnapshot(
         "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
     )
     assert costmodel.decode_estimate(request(sigma=50), roomy, PROFILE, 0.0).preempt_p == 0.0
-    # peak exactly at the capacity: z = 0, an even chance
+    # the same with the peak exactly at the capacity: z = 0, an even chance
     at_cap = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=98_000 - 1000, remaining_output_tokens=400.0
+        "d", "decode", running=4, kv_tokens_used=98_000 - 500, remaining_output_tokens=400.0
     )
     est = costmodel.decode_estimate(request(sigma=50), at_cap, PROFILE, 0.0)
     assert est.preempt_p == pytest.approx(0.5)
+    # Short contexts and long outputs: the batch grows first. R = min(o + sigma, r_bar) = 150,
+    # avg_ctx = 100: peak = k + n + b (2R - avg_ctx)^2 / 4R = 400 + 500 + 5 * 200^2 / 600.
+    growing = InstanceSnapshot(
+        "d", "decode", running=4, kv_tokens_used=400, remaining_output_tokens=4000.0
+    )
+    peak = 400 + 500 + 5 * 200**2 / 600
+    shrunk = dataclasses.replace(PROFILE, kv_capacity_tokens=int(round(peak / 0.98)))
+    est = costmodel.decode_estimate(request(sigma=50), growing, shrunk, 0.0)
+    assert est.preempt_p == pytest.approx(0.5, abs=0.01)
 
 
 def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:

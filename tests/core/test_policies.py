@@ -304,7 +304,7 @@ def test_calibrated_avoids_a_preemption_risk_its_completion_time_would_take() ->
     # nearly full instance; the chance of running out of KV there counts as an expected miss.
     flat = dataclasses.replace(A40, decode=dataclasses.replace(A40.decode, d2=1e-9))
     full = decode(
-        "full", flat, running=2, inflight=2, kv_tokens_used=184_850, remaining_output_tokens=200.0
+        "full", flat, running=2, inflight=2, kv_tokens_used=185_150, remaining_output_tokens=200.0
     )
     busy = decode(
         "busy", flat, running=40, inflight=40, kv_tokens_used=40_000, remaining_output_tokens=4000.0

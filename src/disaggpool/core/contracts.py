@@ -58,7 +58,8 @@ class SLOClass:
 class RequestFeatures:
     """One request as the router sees it: exact prompt length, predicted output, SLO class, and
     `prefix_hits`: instance name -> prompt tokens the router believes that instance has cached
-    (its prefix index; instances not named have none)."""
+    (its prefix index; instances not named have none); `indexed`: the router's prefix index
+    tracks this prompt (it has its blocks), whether or not anything holds it yet."""
 
     request_id: str
     prompt_tokens: int
@@ -66,6 +67,7 @@ class RequestFeatures:
     output_uncertainty: float
     slo: SLOClass
     prefix_hits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    indexed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -123,18 +123,21 @@ def decode_estimate(
     b_join = b_ahead + 1
     b_run = b_join if b_join < max_seqs else max_seqs
     growth = (o if o < r_bar else r_bar) * 0.5  # context each sequence gains while r overlaps
-    # Not capped at the capacity: an instance cannot hold more, so the excess is paid in
-    # preemptions and recomputation instead, at no less than a held token costs. Capping it made
-    # every full instance look as cheap as a merely busy one (COSTMODEL.md).
     k_mid = k_ahead + n + b_run * growth
-    tau = dm.d0 + dm.d1 * b_run + dm.d2 * k_mid  # step time of the batch r joins
+    # A step never holds more than the capacity; the context beyond it is paid in preemptions
+    # and recomputation instead, at no less than a held token costs, so the completion time
+    # charges it (`over`). Without that every full instance looked as cheap as a merely busy one
+    # (COSTMODEL.md).
+    over = dm.d2 * (k_mid - cap) if k_mid > cap else 0.0
+    tau = dm.d0 + dm.d1 * b_run + dm.d2 * (k_mid if k_mid < cap else cap)  # the step r joins
 
     # Whose TPOT target the extra step time breaks: in-flight requests meeting theirs without r.
     slo_harm = 0
     budgets = inst.tpot_budgets
     if budgets.seconds:
         b_before = b_ahead if b_ahead < max_seqs else max_seqs
-        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * (k_ahead + b_before * growth)
+        k_before = k_ahead + b_before * growth
+        tau_before = dm.d0 + dm.d1 * b_before + dm.d2 * (k_before if k_before < cap else cap)
         slo_harm = budgets.between(tau_before, tau)
 
     # Admission wait: requests that must finish before r gets a slot and its KV blocks.
@@ -152,8 +155,14 @@ def decode_estimate(
     harm = (b_run - 1) * (dm.d1 + dm.d2 * (n + 0.5 * o)) * overlap
 
     # Preemption risk: the KV peak while r runs against the capacity, under output uncertainty.
+    # The batch grows a token per sequence per step while finishing sequences free their whole
+    # context; with remaining outputs spread evenly over [0, 2R] the KV changes by
+    # b * (t - t^2 / 4R - t * avg_ctx / 2R) after t steps, which peaks at t = 2R - avg_ctx
+    # (never, when contexts are longer than twice what is left to generate).
     grows = o + req.output_uncertainty
-    peak = k_ahead + n + b_run * (grows if grows < r_bar else r_bar)
+    big_r = grows if grows < r_bar else r_bar
+    room = 2.0 * big_r - avg_ctx
+    peak = k_ahead + n + (b_run * room * room / (4.0 * big_r) if room > 0.0 else 0.0)
     spread = req.output_uncertainty * math.sqrt(b_run) + prof.block_size
     z = (peak - cap) / spread
     if z > -4.0:
@@ -167,7 +176,7 @@ def decode_estimate(
     # Local prefills queued there stall every step they run in: r waits for them too.
     stall = local_prefill_time(inst, prof)
     ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
-    act = wait + o * tau + harm
+    act = wait + o * (tau + over) + harm
     est = DecodeEstimate(
         act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead, p_over
     )

@@ -222,6 +222,7 @@ class Simulation:
             output_uncertainty=pred.std,
             slo=slo,
             prefix_hits=router.prefix_hits(req),
+            indexed=router.index is not None and bool(req.blocks),
         )
         policy = self.policies[req.index % len(self.policies)]
         decision = policy.route(features, router.snapshot(now), self.rng)

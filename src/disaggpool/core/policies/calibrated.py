@@ -139,7 +139,10 @@ class CalibratedPolicy:
             decodes,
             d_profiles,
             p_fallback or d_fallback,
-            local_ok=self.pd_decider,
+            # A prompt the prefix index tracks stays on the prefill pool: prefilled on a decode
+            # instance it is cached where no router looks, and the later turns of its
+            # conversation lose their hit (COSTMODEL.md, "The local path").
+            local_ok=self.pd_decider and not req.indexed,
         )
 
     def route_decode(
