@@ -126,7 +126,7 @@ def test_preemption_probability_from_the_kv_peak() -> None:
         "d", "decode", running=4, kv_tokens_used=400, remaining_output_tokens=4000.0
     )
     peak = 400 + 500 + 5 * 200**2 / 600
-    shrunk = dataclasses.replace(PROFILE, kv_capacity_tokens=int(round(peak / 0.98)))
+    shrunk = dataclasses.replace(PROFILE, kv_capacity_tokens=round(peak / 0.98))
     est = costmodel.decode_estimate(request(sigma=50), growing, shrunk, 0.0)
     assert est.preempt_p == pytest.approx(0.5, abs=0.01)
 

@@ -6,8 +6,8 @@ process (the project's ``.venv``) only talks HTTP to them. See ``tests/realvllm/
 Engines (session scoped, started in parallel at the first test that needs them, only the groups
 that the selected tests use):
 
-- ``single_engine``: one plain engine (no KV connector), publishing its KV events by connecting
-  a ZMQ PUB to ``tcp://127.0.0.1:<kv_events_port>`` (a test binds the SUB there: loopback only);
+- ``single_engine``: one plain engine (no KV connector), publishing its KV events on a ZMQ PUB
+  bound to an IPC socket file (``kv_events_endpoint``; no network at all);
 - ``pd_pair``: a prefill engine (``kv_role=kv_producer``) and a decode engine
   (``kv_role=kv_consumer``) with NixlConnector over host memory; if that pair does not come up,
   it is restarted once with ``kv_both`` on both sides (the roles the pair first ran with,
@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -123,7 +124,7 @@ class Engine:
     env: dict[str, str]
     kv_role: str | None = None
     side_channel_port: int | None = None
-    kv_events_port: int | None = None
+    kv_events_endpoint: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
@@ -247,15 +248,15 @@ def make_engine(
         side = free_port()
         cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         cmd += ["--kv-transfer-config", json.dumps(cfg)]
-    events_port = None
+    events_endpoint = None
     if kv_events:
-        # No "*" in the endpoint: vLLM connects its PUB instead of binding, so the test's SUB
-        # binds on loopback and nothing listens beyond it.
-        events_port = free_port()
+        # An ipc:// endpoint, which vLLM binds: a socket file, nothing listens on the network.
+        # (vLLM 0.32 on CPU delivered nothing through a PUB that connects to the test's SUB.)
+        events_endpoint = f"ipc://{tempfile.gettempdir()}/disaggpool-kv-{port}.ipc"
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{events_port}",
+            "endpoint": events_endpoint,
             "topic": "kv@single",
         }
         cmd += ["--kv-events-config", json.dumps(events)]
@@ -267,7 +268,7 @@ def make_engine(
         env=_engine_env(omp_bind, side),
         kv_role=kv_role,
         side_channel_port=side,
-        kv_events_port=events_port,
+        kv_events_endpoint=events_endpoint,
     )
 
 

@@ -137,3 +137,52 @@ def test_bad_config_messages(patch: dict[str, Any], message: str) -> None:
 def test_unreadable_file_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"kv_events": {}}, "kv_events"),  # without prefix_index
+        ({"prefix_index": True, "kv_events": {"port": 70000}}, "kv_events.port"),
+        ({"prefix_index": True, "kv_events": {"stale_after_s": 0}}, "kv_events.stale_after_s"),
+        ({"prefix_index": True, "kv_events": {"colour": 1}}, "kv_events.colour"),
+    ],
+)
+def test_kv_events_settings_are_checked(patch: dict[str, Any], field: str) -> None:
+    doc = {
+        "policy": "calibrated",
+        "model": "m",
+        "slo_classes": [{"name": "c", "ttft_s": 1.0, "tpot_s": 0.1}],
+        "pool": {"static": {"prefill": [{"name": "p", "url": "http://127.0.0.1:1"}],
+                            "decode": [{"name": "d", "url": "http://127.0.0.1:2"}]}},
+        **patch,
+    }  # fmt: skip
+    with pytest.raises(InputError) as err:
+        parse_config(doc, "<test>")
+    assert err.value.field.startswith(field), err.value
+
+
+def test_members_name_their_kv_events_endpoint() -> None:
+    pods = {
+        "prefill": [
+            {"name": "p0", "url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:5557"},
+            {"name": "p1", "url": "http://127.0.0.1:2", "kv_events": "ipc:///tmp/p1.ipc"},
+        ],
+        "decode": [{"name": "d", "url": "http://127.0.0.1:3"}],
+    }
+    doc = {
+        "policy": "calibrated",
+        "model": "m",
+        "prefix_index": True,
+        "kv_events": {},
+        "slo_classes": [{"name": "c", "ttft_s": 1.0, "tpot_s": 0.1}],
+        "pool": {"static": pods},
+    }
+    cfg = parse_config(doc, "<test>")
+    assert [m.kv_events for m in cfg.static_members] == [
+        "tcp://127.0.0.1:5557", "ipc:///tmp/p1.ipc", ""
+    ]  # fmt: skip
+    assert cfg.kv_events is not None and cfg.kv_events.port == 5557
+    pods["prefill"][0]["kv_events"] = "127.0.0.1:5557"
+    with pytest.raises(InputError, match=r"prefill\[0\]\.kv_events"):
+        parse_config(doc, "<test>")

@@ -320,8 +320,11 @@ def parse_members(raw: Any, rd: FieldReader, path: str) -> tuple[Member, ...]:
             if events:
                 events = rd.string(events, f"{at}.kv_events")
                 host, _, port = events.removeprefix("tcp://").rpartition(":")
-                if not events.startswith("tcp://") or not host or not port.isdigit():
-                    raise rd.fail(f"{at}.kv_events", f"must be tcp://HOST:PORT, got {events!r}")
+                tcp = events.startswith("tcp://") and host and port.isdigit()
+                if not tcp and not (events.startswith("ipc://") and len(events) > 6):
+                    raise rd.fail(
+                        f"{at}.kv_events", f"must be tcp://HOST:PORT or ipc://PATH, got {events!r}"
+                    )
             members.append(Member(rd.string(entry.get("name"), f"{at}.name"), role, url, events))
     names = [x.name for x in members]
     dup = sorted({n for n in names if names.count(n) > 1})
