@@ -12,7 +12,11 @@ interleaved blocks of 200 (rotated order), garbage collector on:
 * ``hits``: `PrefixIndex.hits` over the 4 prefill instances (what the router adds per request);
 * ``route``: `policy.route` of the calibrated policy (P/D decider on) without prefix hits;
 * ``hits + route``: both, the request carrying the hits (the decision with the index);
-* ``round_robin``: `policy.route` of round-robin, the baseline of the same run.
+* ``round_robin``: `policy.route` of round-robin, the baseline of the same run;
+* ``prompt_blocks (16)``: the sidecar's own per-request step before the lookup: cutting the
+  prompt's token ids (the request's length, synthetic ids) into chained 16-token block ids, as
+  `core.prefix_index.prompt_blocks` does for a GPU vLLM's block size (the simulator's traces
+  carry their block ids and skip it).
 
 Memory: ``tracemalloc`` of one instance's index filled to 10,000 blocks (bytes per block too).
 
@@ -34,7 +38,7 @@ from typing import Any
 import benchutil
 import decision_cost
 from disaggpool.core.policies.registry import default_options, make_policy
-from disaggpool.core.prefix_index import PrefixIndex
+from disaggpool.core.prefix_index import PrefixIndex, prompt_blocks
 from disaggpool.formats.embedded import embedded_trace
 from disaggpool.sim import workload
 
@@ -77,7 +81,14 @@ def measure(quick: bool) -> dict[str, Any]:
     rr = make_policy("round_robin")
     rng = random.Random(7)
     calls = 2000 if quick else 20000
-    times: dict[str, list[int]] = {"hits": [], "route": [], "hits + route": [], "round_robin": []}
+    times: dict[str, list[int]] = {
+        "hits": [],
+        "route": [],
+        "hits + route": [],
+        "round_robin": [],
+        "prompt_blocks (16)": [],
+    }
+    ids = [rng.randrange(32000) for _ in range(8192)]
     clock = time.perf_counter_ns
 
     def block(kind: str, start: int) -> None:
@@ -93,6 +104,8 @@ def measure(quick: bool) -> dict[str, Any]:
                 calibrated.route(features, snapshot, rng)
             elif kind == "round_robin":
                 rr.route(features, snapshot, rng)
+            elif kind == "prompt_blocks (16)":
+                prompt_blocks(ids[: r.prompt_tokens], 16)
             else:
                 hits = index.hits(names, r.blocks, r.prompt_tokens, BLOCK)
                 calibrated.route(dataclasses.replace(features, prefix_hits=hits), snapshot, rng)

