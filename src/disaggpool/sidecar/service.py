@@ -9,14 +9,9 @@ predictor, the goodput and heterogeneity signals and the predicted-vs-observed e
 and loop-confined: no awaits, so a decision is atomic.
 
 With `prefix_index` on, a request that comes with its token ids (the front door and gRPC
-`prompt_text` measure them) is cut into block ids (`core.prefix_index.prompt_blocks`, blocks of
-the prefill pods' calibrated block size); the policy is told how many of its tokens each prefill
-pod holds by the router's approximate index, the chosen pod is booked as holding them
-(bounded by its KV capacity) and its ledger entry as that much less work, exactly as the
-simulator's router does (`sim.router`). A pod whose KV events are heard and live is read from
-its event index instead (`sidecar.state`); when it falls silent after being sent blocks it did
-not hold, the service says so (a warning, `disaggpool_prefix_index_source`) and reads the
-approximate index until it publishes again.
+`prompt_text` measure them) is looked up in the router's prefix index (`sidecar.prefix`): the
+policy is told what each prefill pod holds of it, and the chosen pod is booked as holding it and
+its ledger entry as that much less work, exactly as the simulator's router does (`sim.router`).
 
 Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
 400), `Overloaded` and its `Shed` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503),
@@ -29,7 +24,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
 from disaggpool.core.heterogeneity import SlidingSpread
@@ -37,9 +32,9 @@ from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
-from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
+from disaggpool.sidecar.prefix import PrefixLookup
 from disaggpool.sidecar.state import PoolState
 
 __all__ = [
@@ -56,7 +51,6 @@ __all__ = [
 log = logging.getLogger("disaggpool.sidecar")
 
 MAX_REQUEST_ID = 128
-DEFAULT_BLOCK_TOKENS = 16  # vLLM's block size, for an index built before any pod is calibrated
 
 
 class ServiceError(Exception):
@@ -136,7 +130,7 @@ class RoutingService:
         self.spread = SlidingSpread(config.heterogeneity_window)
         self._untrusted_logged: set[str] = set()
         self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
-        self._events_live: dict[str, bool] = {}  # pod -> read from its events at the last lookup
+        self.prefix = PrefixLookup(self.state, config.kv_events, self.metrics, clock)
 
     # ------------------------------------------------------------------ deciding
     def route(
@@ -165,7 +159,7 @@ class RoutingService:
         now = self.clock()
         pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
         predicted = pred.mean if not max_tokens else min(pred.mean, float(max_tokens))
-        blocks, block_tokens, hits = self._prefix(prompt_tokens, token_ids)
+        blocks, block_tokens, hits = self.prefix.lookup(prompt_tokens, token_ids)
         features = RequestFeatures(
             request_id=request_id,
             prompt_tokens=prompt_tokens,
@@ -208,7 +202,7 @@ class RoutingService:
             )
         )
         if p is not None and blocks:
-            self._remember(p.name, blocks, prompt_tokens, block_tokens, cached)
+            self.prefix.remember(p.name, blocks, prompt_tokens, block_tokens, cached)
         self.metrics.inflight.set(self.state.inflight)
         routed = Routed(
             request_id,
@@ -225,73 +219,6 @@ class RoutingService:
         if late:
             self._unbound[request_id] = routed
         return routed
-
-    def _prefix(
-        self, prompt_tokens: int, token_ids: Sequence[int] | None
-    ) -> tuple[tuple[int, ...], int, Mapping[str, int]]:
-        """The prompt's block ids, their size, and each prefill pod's cached tokens of it."""
-        index = self.state.prefix
-        if index is None or not token_ids:
-            return (), 0, {}
-        pods = self.state.members("prefill")
-        block_tokens = next(
-            (i.profile.block_size for i in pods if i.profile is not None), DEFAULT_BLOCK_TOKENS
-        )
-        blocks = prompt_blocks(token_ids, block_tokens)
-        by_size = {block_tokens: blocks}
-        events = self.config.kv_events
-        now = self.clock()
-        hits: dict[str, int] = {}
-        for inst in pods:
-            live = None
-            if events is not None and inst.member.kv_events:
-                live = self.state.cached_index(inst.name, now, events.stale_after_s)
-                self._note_source(inst.name, live is not None, inst.events_at >= 0)
-            if live is not None:
-                size = live.block_tokens
-                if size not in by_size:
-                    by_size[size] = prompt_blocks(token_ids, size)
-                h = live.hit_tokens(by_size[size], prompt_tokens)
-            else:
-                h = index.hit_tokens(inst.name, blocks, prompt_tokens, block_tokens)
-            if h:
-                hits[inst.name] = h
-        return blocks, block_tokens, hits
-
-    def _note_source(self, pod: str, live: bool, heard: bool) -> None:
-        """Say when a pod's index switches between its events and the approximate one."""
-        was = self._events_live.get(pod)
-        self._events_live[pod] = live
-        if was is None or was == live:
-            return
-        if live:
-            log.info("pod %s: KV events heard again, reading its prefix index from them", pod)
-        elif heard:
-            log.warning(
-                "pod %s: no KV events since it was sent new prompt blocks: falling back to "
-                "the approximate prefix index",
-                pod,
-            )
-
-    def _remember(
-        self, pod: str, blocks: tuple[int, ...], prompt_tokens: int, block_tokens: int, hit: int
-    ) -> None:
-        """`pod` now holds the prompt's blocks, as far as the index can know, within the KV it
-        has (its profile's, else its scraped capacity)."""
-        assert self.state.prefix is not None
-        inst = self.state.instances[pod]
-        capacity = inst.profile.kv_capacity_tokens if inst.profile is not None else 0
-        if not capacity and inst.gauges is not None:
-            capacity = inst.gauges.kv_capacity_tokens
-        self.state.prefix.record(
-            pod, blocks, prompt_tokens, block_tokens, capacity or prompt_tokens
-        )
-        # It will store blocks it did not hold and should say so (`state.cached_index`).
-        new_blocks = hit < (prompt_tokens - 1) // block_tokens * block_tokens
-        if inst.member.kv_events and new_blocks and inst.awaiting_events_since is None:
-            inst.awaiting_events_since = self.clock()
-        self.metrics.prefix_lookups.labels(pod).inc(prompt_tokens)
-        self.metrics.prefix_hits.labels(pod).inc(hit)
 
     def bind_decode(self, request_id: str) -> Routed:
         """Late binding: the prefill leg of `request_id` answered; choose its decode pod now."""
