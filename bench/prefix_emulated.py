@@ -22,8 +22,8 @@ Reported per configuration: goodput (SLO: TTFT 3 s, TPOT 100 ms) with a 95% boot
 over requests (2,000 resamples), the share of prompt tokens the engines found cached
 (`vllm:prefix_cache_hits` / `_queries` summed over the prefill pods), TTFT p99, errors.
 
-Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--json FILE]`` (about a minute
-per configuration). Peers' own routers (vllm-router) are not in this run.
+Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--json FILE]`` (about 90 s per
+configuration at 400 requests). Peers' own routers (vllm-router) are not in this run.
 """
 
 from __future__ import annotations
