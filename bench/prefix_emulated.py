@@ -16,14 +16,18 @@ For each router configuration, fresh emulators (empty caches) and a fresh sideca
 trace is replayed through the sidecar's front door (`loadgen.replay`). Configurations: the
 cache-blind `round_robin`, `least_loaded` and `calibrated` (no index); the prefix-cache rules
 `cache_aware` (vLLM router's) and `dynamo_kv` (Dynamo's) with the sidecar's approximate index;
-and `calibrated` with the index fed by the prefill pods' KV events (`+events`).
+and `calibrated` with the index fed by the prefill pods' KV events (`+events`). Then vLLM's own
+router, `vllm-router` (PyPI, pinned `VLLM_ROUTER`, installed by this script into its own virtual
+environment under `PEER_ROOT`; skipped with a message when it cannot be installed), in its P/D
+mode (`--vllm-pd-disaggregation`) with `cache_aware` (its default), `kv_aware` (fed by the same
+KV events from the prefill pods) and `power_of_two`.
 
 Reported per configuration: goodput (SLO: TTFT 3 s, TPOT 100 ms) with a 95% bootstrap interval
 over requests (2,000 resamples), the share of prompt tokens the engines found cached
 (`vllm:prefix_cache_hits` / `_queries` summed over the prefill pods), TTFT p99, errors.
 
-Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--json FILE]`` (about 90 s per
-configuration at 400 requests). Peers' own routers (vllm-router) are not in this run.
+Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--no-peers] [--json FILE]``
+(about 90 s per configuration at 400 requests); ``--no-peers`` leaves vllm-router out.
 """
 
 from __future__ import annotations
@@ -74,6 +78,30 @@ CONFIGS: dict[str, tuple[str, bool, bool]] = {
     "calibrated": ("calibrated", True, False),
     "calibrated +events": ("calibrated", True, True),
 }
+# vllm-router's policies run here -> whether its prefill pods publish KV events for it
+PEER_POLICIES: dict[str, bool] = {"cache_aware": False, "kv_aware": True, "power_of_two": False}
+VLLM_ROUTER = "0.1.17"
+PEER_ROOT = Path(os.environ.get("DISAGGPOOL_PEER_ROOT", "/var/cache/disaggpool/peers"))
+
+
+def vllm_router() -> Path | None:
+    """The pinned vllm-router in its own virtual environment (made on first use), or None."""
+    venv = PEER_ROOT / f"vllm-router-{VLLM_ROUTER}"
+    exe = venv / "bin" / "vllm-router"
+    if exe.exists():
+        return exe
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", f"vllm-router=={VLLM_ROUTER}"],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"vllm-router {VLLM_ROUTER} could not be installed ({exc}): peers skipped")
+        return None
+    return exe if exe.exists() else None
 
 
 def pods() -> dict[str, tuple[str, CalibrationProfile]]:
@@ -138,57 +166,117 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
-def run_config(label: str, trace: Sequence[TraceRequest], tmp: Path, seed: int) -> dict[str, Any]:
-    policy, index, events = CONFIGS[label]
+def start_pool(
+    procs: list[subprocess.Popen[bytes]], tmp: Path, seed: int, events: bool
+) -> dict[str, list[dict[str, str]]]:
+    """Fresh emulated pods (profiles written to tmp/profiles), each prefill pod publishing its KV
+    events on an IPC socket when `events`; the members by role, as the sidecar's config names
+    them."""
     exe = [sys.executable, "-m", "disaggpool"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     members: dict[str, list[dict[str, str]]] = {"prefill": [], "decode": []}
-    urls: dict[str, str] = {}
-    with processes() as procs:
-        for k, (name, (role, profile)) in enumerate(pods().items()):
-            path = tmp / "profiles" / f"{name}.yaml"
-            save_profile(profile, path)
-            port = _free_port()
-            urls[name] = f"http://127.0.0.1:{port}"
-            cmd = [*exe, "emulate", "--profile", str(path), "--port", str(port),
-                   "--seed", str(seed + k), "--model", BASE.model]  # fmt: skip
-            member = {"name": name, "url": urls[name]}
-            if events and role == "prefill":
-                endpoint = f"ipc://{tmp}/{name}-kv.ipc"
-                kv = {"enable_kv_cache_events": True, "endpoint": endpoint}
-                cmd += ["--kv-events-config", json.dumps(kv)]
-                member["kv_events"] = endpoint
-            members[role].append(member)
-            pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
-            log = (tmp / f"{name}.log").open("wb")
-            procs.append(subprocess.Popen(cmd, env=pod_env, stdout=log, stderr=subprocess.STDOUT))
-        for name, proc in zip(urls, procs, strict=True):
-            _wait(f"{urls[name]}/health", proc)
+    started = []
+    for k, (name, (role, profile)) in enumerate(pods().items()):
+        path = tmp / "profiles" / f"{name}.yaml"
+        save_profile(profile, path)
         port = _free_port()
-        config: dict[str, Any] = {
-            "policy": policy,
-            "model": BASE.model,
-            "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
-            "slo_classes": [{"name": SLO.name, "ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}],
-            "scrape_interval_s": 1.0,
-            "tokenizer": {"kind": "emulator"},
-            "pool": {"static": members},
-            "profiles": {"dir": str(tmp / "profiles")},
-            "prefix_index": index,
-        }
-        if events:
-            config["kv_events"] = {"stale_after_s": 10.0}
-        path = tmp / "sidecar.yaml"
-        path.write_text(yaml.safe_dump(config))
-        log = (tmp / f"sidecar-{policy}.log").open("wb")
-        sidecar = subprocess.Popen(
-            [*exe, "sidecar", "--config", str(path)], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        procs.append(sidecar)
-        url = f"http://127.0.0.1:{port}"
-        _wait(f"{url}/health", sidecar)
-        time.sleep(1.5)  # a scrape, the profiles, the event subscriptions
-        bar = tqdm(total=len(trace), desc=f"{label:>22}", unit="req")
+        cmd = [*exe, "emulate", "--profile", str(path), "--port", str(port),
+               "--seed", str(seed + k), "--model", BASE.model]  # fmt: skip
+        member = {"name": name, "url": f"http://127.0.0.1:{port}"}
+        if events and role == "prefill":
+            endpoint = f"ipc://{tmp}/{name}-kv.ipc"
+            kv = {"enable_kv_cache_events": True, "endpoint": endpoint}
+            cmd += ["--kv-events-config", json.dumps(kv)]
+            member["kv_events"] = endpoint
+        members[role].append(member)
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+        log = (tmp / f"{name}.log").open("wb")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        started.append((member["url"], proc))
+    for url, proc in started:
+        _wait(f"{url}/health", proc)
+    return members
+
+
+def start_sidecar(
+    procs: list[subprocess.Popen[bytes]],
+    tmp: Path,
+    members: dict[str, list[dict[str, str]]],
+    policy: str,
+    index: bool,
+    events: bool,
+) -> str:
+    port = _free_port()
+    config: dict[str, Any] = {
+        "policy": policy,
+        "model": BASE.model,
+        "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
+        "slo_classes": [{"name": SLO.name, "ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s}],
+        "scrape_interval_s": 1.0,
+        "tokenizer": {"kind": "emulator"},
+        "pool": {"static": members},
+        "profiles": {"dir": str(tmp / "profiles")},
+        "prefix_index": index,
+    }
+    if events:
+        config["kv_events"] = {"stale_after_s": 10.0}
+    path = tmp / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (tmp / "sidecar.log").open("wb")
+    cmd = [sys.executable, "-m", "disaggpool", "sidecar", "--config", str(path)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    _wait(f"{url}/health", proc)
+    time.sleep(1.5)  # a scrape, the profiles, the event subscriptions
+    return url
+
+
+def start_vllm_router(
+    procs: list[subprocess.Popen[bytes]],
+    tmp: Path,
+    exe: Path,
+    members: dict[str, list[dict[str, str]]],
+    policy: str,
+) -> str:
+    port = _free_port()
+    cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+           "--policy", policy, "--log-level", "warning"]  # fmt: skip
+    for m in members["prefill"]:
+        cmd += ["--prefill", m["url"]]
+        if "kv_events" in m:
+            cmd += ["--kv-event-source", f"{m['url']}={m['kv_events']}"]
+    for m in members["decode"]:
+        cmd += ["--decode", m["url"]]
+    if any("kv_events" in m for m in members["prefill"]):
+        cmd += ["--kv-event-block-size", str(BASE.block_size), "--kv-event-model", BASE.model]
+    log = (tmp / "vllm-router.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    _wait(f"{url}/health", proc)
+    time.sleep(1.5)
+    return url
+
+
+def run_config(
+    label: str, trace: Sequence[TraceRequest], tmp: Path, seed: int, router: Path | None = None
+) -> dict[str, Any]:
+    """One configuration on fresh pods: ours (`CONFIGS`), or vllm-router's policy `label` when
+    `router` is its executable."""
+    if router is None:
+        policy, index, events = CONFIGS[label]
+    else:
+        policy, index, events = label, False, PEER_POLICIES[label]
+    with processes() as procs:
+        members = start_pool(procs, tmp, seed, events)
+        if router is None:
+            url = start_sidecar(procs, tmp, members, policy, index, events)
+            name = label
+        else:
+            url = start_vllm_router(procs, tmp, router, members, policy)
+            name = f"vllm-router {label}"
+        bar = tqdm(total=len(trace), desc=f"{name:>24}", unit="req")
         report = asyncio.run(
             replay(url, trace, [SLO], model=BASE.model, seed=seed, on_done=lambda _: bar.update(1))
         )
@@ -200,7 +288,9 @@ def run_config(label: str, trace: Sequence[TraceRequest], tmp: Path, seed: int) 
                 fams = promtext.parse(r.read().decode(), names)
             queries += promtext.total(fams, names[0])
             hits += promtext.total(fams, names[1])
-    return summarize(label, report, hits / queries if queries else 0.0, seed)
+    row = summarize(name, report, hits / queries if queries else 0.0, seed)
+    row["router"] = "disaggpool" if router is None else "vllm-router"
+    return row
 
 
 def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> dict[str, Any]:
@@ -220,22 +310,27 @@ def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> di
     }
 
 
-def measure(requests: int, seed: int) -> dict[str, Any]:
+def measure(requests: int, seed: int, peers: bool = True) -> dict[str, Any]:
     base = mooncake_slice(requests)
     rate = operating_rate(base)
     trace = workload.rescale(base, rate)
+    router = vllm_router() if peers else None
+    runs: list[tuple[str, Path | None]] = [(label, None) for label in CONFIGS]
+    if router is not None:
+        runs += [(policy, router) for policy in PEER_POLICIES]
     rows = []
-    for label in CONFIGS:
-        with tempfile.TemporaryDirectory(prefix="disaggpool-prefix-") as tmp_name:
+    for label, exe in runs:
+        with tempfile.TemporaryDirectory(prefix="dp-prefix-") as tmp_name:
             tmp = Path(tmp_name)
             (tmp / "profiles").mkdir()
-            rows.append(run_config(label, trace, tmp, seed))
+            rows.append(run_config(label, trace, tmp, seed, exe))
     return {
         "pool": "4 prefill (2 at 1.6x) + 2 decode, a40-llama3-8b, emulated",
         "requests": len(trace),
         "rate_rps": round(rate, 3),
         "duration_s": round(trace[-1].arrival_s - trace[0].arrival_s, 1),
         "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s},
+        "vllm_router": VLLM_ROUTER if router is not None else None,
         "rows": rows,
     }
 
@@ -264,10 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=400, help="requests of the slice (400)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     benchutil.measure_and_report(
-        lambda: {"prefix_emulated": measure(args.requests, args.seed)}, render, args.json
+        lambda: {"prefix_emulated": measure(args.requests, args.seed, not args.no_peers)},
+        render,
+        args.json,
     )
     return 0
 
