@@ -183,10 +183,12 @@ def start_pool(
                "--seed", str(seed + k), "--model", BASE.model]  # fmt: skip
         member = {"name": name, "url": f"http://127.0.0.1:{port}"}
         if events and role == "prefill":
-            endpoint = f"ipc://{tmp}/{name}-kv.ipc"
-            kv = {"enable_kv_cache_events": True, "endpoint": endpoint}
+            # TCP, as vllm-router's kv_aware accepts no other; `*` binds the emulator's
+            # --host, loopback here.
+            kv_port = _free_port()
+            kv = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}"}
             cmd += ["--kv-events-config", json.dumps(kv)]
-            member["kv_events"] = endpoint
+            member["kv_events"] = f"tcp://127.0.0.1:{kv_port}"
         members[role].append(member)
         env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
         log = (tmp / f"{name}.log").open("wb")
@@ -244,12 +246,10 @@ def start_vllm_router(
            "--policy", policy, "--log-level", "warning"]  # fmt: skip
     for m in members["prefill"]:
         cmd += ["--prefill", m["url"]]
-        if "kv_events" in m:
-            cmd += ["--kv-event-source", f"{m['url']}={m['kv_events']}"]
+        if "kv_events" in m:  # its P/D mode's own flag for static event sources (16-token blocks)
+            cmd += ["--pd-kv-events", f"{m['url']}={m['kv_events']}"]
     for m in members["decode"]:
         cmd += ["--decode", m["url"]]
-    if any("kv_events" in m for m in members["prefill"]):
-        cmd += ["--kv-event-block-size", str(BASE.block_size), "--kv-event-model", BASE.model]
     log = (tmp / "vllm-router.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
@@ -310,12 +310,12 @@ def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> di
     }
 
 
-def measure(requests: int, seed: int, peers: bool = True) -> dict[str, Any]:
+def measure(requests: int, seed: int, peers: bool = True, ours: bool = True) -> dict[str, Any]:
     base = mooncake_slice(requests)
     rate = operating_rate(base)
     trace = workload.rescale(base, rate)
     router = vllm_router() if peers else None
-    runs: list[tuple[str, Path | None]] = [(label, None) for label in CONFIGS]
+    runs: list[tuple[str, Path | None]] = [(label, None) for label in CONFIGS if ours]
     if router is not None:
         runs += [(policy, router) for policy in PEER_POLICIES]
     rows = []
@@ -323,7 +323,12 @@ def measure(requests: int, seed: int, peers: bool = True) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="dp-prefix-") as tmp_name:
             tmp = Path(tmp_name)
             (tmp / "profiles").mkdir()
-            rows.append(run_config(label, trace, tmp, seed, exe))
+            try:
+                rows.append(run_config(label, trace, tmp, seed, exe))
+            except RuntimeError as exc:  # a router that would not start: say so, go on
+                print(f"{label}: {exc}")
+                router = "vllm-router" if exe else "disaggpool"
+                rows.append({"config": label, "router": router, "error": str(exc)[-300:]})
     return {
         "pool": "4 prefill (2 at 1.6x) + 2 decode, a40-llama3-8b, emulated",
         "requests": len(trace),
@@ -347,11 +352,15 @@ def render(doc: dict[str, Any]) -> str:
             "errors": r["errors"],
         }
         for r in res["rows"]
+        if "error" not in r
     ]
+    failed = [f"{r['config']}: {r['error']}" for r in res["rows"] if "error" in r]
     cols = ["config", "goodput", "95% interval", "cached share", "TTFT p99 s", "errors"]
     return (
         f"### Mooncake slice on an emulated pool ({res['pool']}; {res['requests']} requests at "
-        f"{res['rate_rps']} req/s over {res['duration_s']} s)\n\n" + benchutil.md_table(rows, cols)
+        f"{res['rate_rps']} req/s over {res['duration_s']} s)\n\n"
+        + benchutil.md_table(rows, cols)
+        + "".join(f"\nNot run: {f}\n" for f in failed)
     )
 
 
@@ -360,10 +369,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400, help="requests of the slice (400)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    ap.add_argument("--peers-only", action="store_true", help="only vllm-router's policies")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     benchutil.measure_and_report(
-        lambda: {"prefix_emulated": measure(args.requests, args.seed, not args.no_peers)},
+        lambda: {
+            "prefix_emulated": measure(
+                args.requests, args.seed, not args.no_peers, not args.peers_only
+            )
+        },
         render,
         args.json,
     )

@@ -8,11 +8,11 @@ run of consecutive blocks a request stored anew, with its parent's hash and its 
 hashes are the engine's block ids as unsigned 64-bit integers, the form of vLLM's default
 `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`. Cache hits announce nothing, as in vLLM.
 
-Sockets: PUB on `endpoint` (bound when it holds `*`, else connected, as vLLM does; ``tcp://*:0``
-binds the emulator's own `--host` on a free port, where vLLM would take the node's IP), and, with
-`replay_endpoint`, a ROUTER that answers replay requests from the last `buffer_steps` batches.
-A batch the PUB's high-water mark refuses is dropped (subscribers see the gap in `seq`), never
-queued without bound.
+Sockets: PUB on `endpoint` (bound when it holds `*`, else connected, as vLLM does;
+``tcp://*:PORT`` binds the emulator's own `--host`, port 0 a free one, where vLLM listens on
+every interface), and, with `replay_endpoint`, a ROUTER that answers replay requests from the
+last `buffer_steps` batches. A batch the PUB's high-water mark refuses is dropped (subscribers see
+the gap in `seq`), never queued without bound.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class KVEventPublisher:
         self.silenced = False
 
     def _bind(self, sock: zmq.asyncio.Socket, endpoint: str) -> str:
-        if endpoint == "tcp://*:0":
-            sock.bind(f"tcp://{self.host}:0")
+        if endpoint.startswith("tcp://*:"):  # the emulator listens on its --host only
+            sock.bind(f"tcp://{self.host}:{endpoint.removeprefix('tcp://*:')}")
             bound = sock.getsockopt(zmq.LAST_ENDPOINT)
             return bound.decode() if isinstance(bound, bytes) else str(bound)
         sock.bind(endpoint)
