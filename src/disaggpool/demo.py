@@ -3,7 +3,8 @@
 1. **Pool.** One prefill and three decode emulators (`disaggpool emulate`, each its own process),
    timed by hidden *true* profiles the router never sees: the built-in A40 Llama-3-8B profile,
    with the decode boards at different speeds (1.0, 0.55 and 1.25: a throttled board and a
-   faster one), 64 sequences each.
+   faster one), 64 sequences each, prefix caching off (every policy replays the same prompts on
+   the same pods; cached, the later replays would prefill nothing).
 2. **Calibration.** `disaggpool calibrate` probes every pod over HTTP, as the operator's Job does
    (decode pods with the prefill pod as KV peer), and writes the fitted profiles.
 3. **Operating point.** The trace is the embedded Azure 2023 conversation trace
@@ -270,8 +271,10 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             log = (tmp / f"{name}.log").open("wb")
             procs.append(
                 subprocess.Popen(
+                    # Every policy replays the same prompts on the same pods: with vLLM's prefix
+                    # caching each replay would find the previous ones' prompts cached.
                     [*exe, "emulate", "--profile", str(path), "--port", str(port),
-                     "--seed", str(cfg.seed + len(procs))],
+                     "--seed", str(cfg.seed + len(procs)), "--no-enable-prefix-caching"],
                     env=pod_env, stdout=log, stderr=subprocess.STDOUT,
                 )
             )  # fmt: skip
