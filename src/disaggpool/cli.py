@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="probe one vLLM pod and fit its calibration profile")
     c.add_argument(
-        "--endpoint", default=_env("endpoint"), help="the pod's base URL, e.g. http://10.0.0.5:8000"
+        "--endpoint",
+        default=_env("endpoint"),
+        help="the pod's base URL, e.g. http://198.18.0.5:8000",
     )
     c.add_argument(
         "--peer",

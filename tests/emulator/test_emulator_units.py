@@ -168,8 +168,8 @@ def test_config_defaults() -> None:
 def test_side_channel_env() -> None:
     assert side_channel_from_env({}) == ("localhost", 5600)
     assert side_channel_from_env(
-        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
-    ) == ("10.0.0.7", 5601)
+        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "198.18.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    ) == ("198.18.0.7", 5601)
     with pytest.raises(InputError):
         side_channel_from_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
 

@@ -192,7 +192,7 @@ def test_rendered_pool_objects_validate_strictly(tmp_path: Path) -> None:
         docs += render_pool(pool, spec)
         docs.append(
             render_calibration_job(
-                pool, spec, PodView("p-0", "decode", "10.0.0.1", True), "10.0.0.2", 1
+                pool, spec, PodView("p-0", "decode", "198.18.0.1", True), "198.18.0.2", 1
             )
         )
     out = tmp_path / "pool.yaml"

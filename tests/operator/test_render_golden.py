@@ -71,8 +71,8 @@ def test_render_pool_matches_golden(sample: str) -> None:
 def test_calibration_job_and_status_match_golden() -> None:
     pool, spec = _spec("small.yaml")
     pods = [
-        PodView("small-prefill-a", "prefill", "10.0.0.1", True),
-        PodView("small-decode-b", "decode", "10.0.0.2", True),
+        PodView("small-prefill-a", "prefill", "198.18.0.1", True),
+        PodView("small-decode-b", "decode", "198.18.0.2", True),
     ]
     profile = dataclasses.replace(
         builtin_profile("a40-llama3-8b"), quality="good", fitted_at="2026-01-02T00:00:00Z"
@@ -91,7 +91,7 @@ def test_calibration_job_and_status_match_golden() -> None:
     assert len(plan.create_jobs) == 1
     job = plan.create_jobs[0]
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--peer") + 1] == "http://10.0.0.1:8000"
+    assert args[args.index("--peer") + 1] == "http://198.18.0.1:8000"
     status = compute_status(pool, spec, [], 3, pods, plan, 1, {}, NOW)
     assert status["phase"] == "Calibrating" and status["calibratedPods"] == 1
     again = compute_status(pool, spec, [], 3, pods, plan, 1, status, NOW + dt.timedelta(hours=1))
@@ -107,8 +107,8 @@ def _pv(name: str, quality: str = "good", fitted: str = "2026-01-02T00:00:00Z") 
 
 def test_stale_poor_and_failed_profiles_are_reprobed_up_to_max_attempts() -> None:
     pool, spec = _spec("small.yaml", calibration__maxAgeSeconds=3600, calibration__maxAttempts=2)
-    pod = PodView("d", "decode", "10.0.0.2", True)
-    peer = PodView("p", "prefill", "10.0.0.1", True)
+    pod = PodView("d", "decode", "198.18.0.2", True)
+    peer = PodView("p", "prefill", "198.18.0.1", True)
     fresh = _pv("p", fitted="2026-01-02T03:00:00Z")
     # Stale: fitted a day before NOW -> a new attempt after the last (succeeded) one.
     plan = plan_calibration(

@@ -78,22 +78,22 @@ async def test_pods_and_profile_configmaps_are_watched(kmock, monkeypatch) -> No
             async with http.post(f"{base}/{kind}", data=json.dumps(body)) as r:
                 assert r.status in (200, 201), await r.text()
 
-        await create("pods", pod("vllm-p-0", "prefill", "10.0.0.1"))
-        await create("pods", pod("vllm-d-0", "decode", "10.0.0.2"))
+        await create("pods", pod("vllm-p-0", "prefill", "198.18.0.1"))
+        await create("pods", pod("vllm-d-0", "decode", "198.18.0.2"))
         await create("pods", pod("vllm-d-1", "decode", None, ready=False))  # still starting
-        await create("pods", pod("other-d-0", "decode", "10.0.0.9", pool="other"))
+        await create("pods", pod("other-d-0", "decode", "198.18.0.9", pool="other"))
         sc = await start_sidecar(config)
         try:
             await until(lambda: len(members(sc)) == 2, "two ready pods")
             assert members(sc) == {
-                "vllm-p-0": "http://10.0.0.1:8000",
-                "vllm-d-0": "http://10.0.0.2:8000",
+                "vllm-p-0": "http://198.18.0.1:8000",
+                "vllm-d-0": "http://198.18.0.2:8000",
             }
 
             # The kubelet marks vllm-d-1 ready with an IP: it joins.
             async with http.patch(
                 f"{base}/pods/vllm-d-1",
-                data=json.dumps({"status": pod("vllm-d-1", "decode", "10.0.0.3")["status"]}),
+                data=json.dumps({"status": pod("vllm-d-1", "decode", "198.18.0.3")["status"]}),
                 headers={"Content-Type": "application/merge-patch+json"},
             ) as r:
                 assert r.status == 200, await r.text()
@@ -191,12 +191,12 @@ def test_credentials_sources_in_order(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(kubeclient.credentials, "SA_DIR", sa)
     for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_TOKEN", "KUBERNETES_INSECURE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KUBECONFIG", kubeconfig("env", "https://10.0.0.9:6443", "from-env-file"))
+    monkeypatch.setenv("KUBECONFIG", kubeconfig("env", "https://198.18.0.9:6443", "from-env-file"))
     monkeypatch.setenv("KUBERNETES_API", "http://127.0.0.1:1/")
     monkeypatch.setenv("KUBERNETES_TOKEN", "tok")
 
-    explicit = kubeclient.load_credentials(kubeconfig("arg", "https://10.0.0.8:6443", "arg-tok"))
-    assert (explicit.base, explicit.authorization) == ("https://10.0.0.8:6443", "Bearer arg-tok")
+    explicit = kubeclient.load_credentials(kubeconfig("arg", "https://198.18.0.8:6443", "arg-tok"))
+    assert (explicit.base, explicit.authorization) == ("https://198.18.0.8:6443", "Bearer arg-tok")
     assert explicit.tls is not None and explicit.tls.verify_mode == ssl.CERT_NONE
 
     env = kubeclient.load_credentials()

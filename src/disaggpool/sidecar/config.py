@@ -40,7 +40,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True, slots=True)
 class Member:
     """One vLLM pod of the pool: its name, role, base URL, and where it publishes its KV events
-    (a ZMQ endpoint such as ``tcp://10.0.0.5:5557``; "" when the router does not listen)."""
+    (a ZMQ endpoint such as ``tcp://198.18.0.5:5557``; "" when the router does not listen)."""
 
     name: str
     role: Role
