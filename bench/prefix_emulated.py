@@ -43,8 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.demo import free_port, processes, wait_http
 from disaggpool.formats.embedded import embedded_trace
 from disaggpool.formats.profiles import save_profile
 from disaggpool.formats.traces import TraceRequest
@@ -129,43 +129,6 @@ def operating_rate(trace: Sequence[TraceRequest]) -> float:
     return operating_rates([problem], steps=8, workers=1)[0]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer")
-
-
-@contextmanager
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def start_pool(
     procs: list[subprocess.Popen[bytes]], tmp: Path, seed: int, events: bool
 ) -> dict[str, list[dict[str, str]]]:
@@ -178,25 +141,25 @@ def start_pool(
     for k, (name, (role, profile)) in enumerate(pods().items()):
         path = tmp / "profiles" / f"{name}.yaml"
         save_profile(profile, path)
-        port = _free_port()
+        port = free_port()
         cmd = [*exe, "emulate", "--profile", str(path), "--port", str(port),
                "--seed", str(seed + k), "--model", BASE.model]  # fmt: skip
         member = {"name": name, "url": f"http://127.0.0.1:{port}"}
         if events and role == "prefill":
             # TCP, as vllm-router's kv_aware accepts no other; `*` binds the emulator's
             # --host, loopback here.
-            kv_port = _free_port()
+            kv_port = free_port()
             kv = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}"}
             cmd += ["--kv-events-config", json.dumps(kv)]
             member["kv_events"] = f"tcp://127.0.0.1:{kv_port}"
         members[role].append(member)
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
         log = (tmp / f"{name}.log").open("wb")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         procs.append(proc)
         started.append((member["url"], proc))
     for url, proc in started:
-        _wait(f"{url}/health", proc)
+        wait_http(f"{url}/health", proc)
     return members
 
 
@@ -208,7 +171,7 @@ def start_sidecar(
     index: bool,
     events: bool,
 ) -> str:
-    port = _free_port()
+    port = free_port()
     config: dict[str, Any] = {
         "policy": policy,
         "model": BASE.model,
@@ -229,7 +192,7 @@ def start_sidecar(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-    _wait(f"{url}/health", proc)
+    wait_http(f"{url}/health", proc)
     time.sleep(1.5)  # a scrape, the profiles, the event subscriptions
     return url
 
@@ -241,7 +204,7 @@ def start_vllm_router(
     members: dict[str, list[dict[str, str]]],
     policy: str,
 ) -> str:
-    port = _free_port()
+    port = free_port()
     cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
            "--policy", policy, "--log-level", "warning"]  # fmt: skip
     for m in members["prefill"]:
@@ -254,7 +217,7 @@ def start_vllm_router(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-    _wait(f"{url}/health", proc)
+    wait_http(f"{url}/health", proc)
     time.sleep(1.5)
     return url
 

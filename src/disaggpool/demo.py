@@ -68,12 +68,15 @@ from disaggpool.sim.runner import RunSpec, execute
 __all__ = [
     "DemoConfig",
     "demo_trace",
+    "free_port",
     "operating_rate",
+    "processes",
     "register",
     "run_demo",
     "simulated_run",
     "stderr_messages",
     "true_profiles",
+    "wait_http",
 ]
 
 POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
@@ -109,7 +112,7 @@ class DemoConfig:
             )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -196,7 +199,8 @@ def operating_rate(
 
 
 @contextlib.contextmanager
-def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list to put child processes in; every one is stopped on leaving (the benches use it)."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         yield procs
@@ -211,7 +215,7 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -256,7 +260,7 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     exe = [sys.executable, "-m", "disaggpool"]
     pods = true_profiles(cfg.decode_speeds)
     base_trace, slo = demo_trace(cfg.seed)
-    with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, _processes() as procs:
+    with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
         (tmp / "profiles").mkdir()
         urls: dict[str, str] = {}
@@ -265,9 +269,9 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
         for name, (_, true) in pods.items():
             path = tmp / f"true-{name}.yaml"
             save_profile(true, path)
-            port = _free_port()
+            port = free_port()
             urls[name] = f"http://127.0.0.1:{port}"
-            pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+            pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
             log = (tmp / f"{name}.log").open("wb")
             procs.append(
                 subprocess.Popen(
@@ -279,7 +283,7 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                 )
             )  # fmt: skip
         for name, proc in zip(pods, procs, strict=True):
-            _wait_http(f"{urls[name]}/health", proc)
+            wait_http(f"{urls[name]}/health", proc)
 
         prefill_url = next(urls[n] for n, (role, _) in pods.items() if role == "prefill")
         for name, (role, _) in pods.items():
@@ -382,7 +386,7 @@ def _serve_policy(
 ) -> tuple[LoadReport, dict[str, int]]:
     """Replay `trace` through a fresh sidecar running `policy`; the report and, per decode pod,
     how many requests the sidecar sent there (read from its metrics)."""
-    port = _free_port()
+    port = free_port()
     config = {
         "policy": policy,
         "model": builtin_profile("a40-llama3-8b").model,
@@ -407,7 +411,7 @@ def _serve_policy(
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(f"{url}/health", proc)
+        wait_http(f"{url}/health", proc)
         time.sleep(1.0)  # one scrape interval and a profile-directory pass
         from tqdm import tqdm
 
