@@ -10,9 +10,11 @@ every constant within 10% (BENCHMARKS.md).
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 
 import pytest
 
+from disaggpool import promtext
 from disaggpool.calibration.probe import ProbeConfig, run_probe
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
@@ -77,3 +79,27 @@ def test_probe_recovers_the_hidden_profile(true: CalibrationProfile) -> None:
     # The request path's own cost came from rejected twins, and grows with the prompt.
     assert report["http_overhead"]["from"] == "rejected twin requests"
     assert report["http_overhead"]["samples"] >= 4
+
+
+def cache_hits(url: str) -> float:
+    name = "vllm:prefix_cache_hits_total"
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return promtext.total(promtext.parse(resp.read().decode(), [name]), name)
+
+
+@pytest.mark.slow
+def test_a_reprobe_misses_the_prefix_cache_its_predecessor_filled() -> None:
+    """vLLM caches prefixes by default, and so does the emulator: a probe that replays the prompts
+    of the last one (the same seed) measures cache hits, not the hardware. Each run draws its own
+    seed unless given one."""
+    cfg = EmulatorConfig(A40, port=0, side_channel_port=0, seed=7)
+    with EmulatorThread(cfg) as pod:
+        replayed = [run_probe(ProbeConfig(endpoint=pod.url, budget_s=8, seed=1)) for _ in range(2)]
+        hits_replayed = cache_hits(pod.url)
+        fresh = run_probe(ProbeConfig(endpoint=pod.url, budget_s=8))
+        hits_fresh = cache_hits(pod.url) - hits_replayed
+    assert hits_replayed > 0  # the failure guarded against is real: the replay fits the cache
+    first, again = (r.profile.prefill.prompt_time(2000) for r in replayed)
+    assert again < first
+    assert hits_fresh == 0
+    assert fresh.report["seed"] != ProbeConfig(endpoint=pod.url).seed

@@ -282,7 +282,7 @@ class PDPair:
         return (self.prefill, self.decode)
 
     warmup: dict[str, Any] = field(default_factory=dict)
-    decode_legs_s: list[float] = field(default_factory=list)  # filled by the P/D tests
+    decode_legs_s: list[float] = field(default_factory=list)  # every handoff's D leg (or bound)
 
     @property
     def kv_roles(self) -> dict[str, str | None]:

@@ -131,6 +131,7 @@ def _report(
             "samples": path.samples,
         },
         "budget_s": cfg.budget_s,
+        "seed": cfg.seed,
         "samples": {
             "prefill": len(net.prefill),
             "decode": len(net.decode),

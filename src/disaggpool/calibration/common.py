@@ -9,6 +9,7 @@ reports) all speak it; `probe` re-exports `ProbeConfig`, `ProbeError` and `Probe
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +46,10 @@ class ProbeConfig:
     kv_bytes_per_token: int = 128 * 1024
     gpu: str = ""
     request_timeout_s: float = 60.0
-    seed: int = 0
+    # Prompts are drawn from this seed. A fresh one per run by default: with a fixed seed a
+    # re-probe would send the very prompts its predecessor left in the pod's prefix cache and
+    # fit the cache, not the hardware. The report records it; pass it back to reproduce a run.
+    seed: int = dataclasses.field(default_factory=lambda: random.SystemRandom().randrange(2**32))
     # Poll instead of sleeping while waiting for answers (`precise_loop.BusyPollSelector`):
     # sub-millisecond constants come out right on virtual machines whose idle CPUs wake slowly,
     # at the price of one busy core for the probe's duration. Not in a process it shares.
