@@ -94,7 +94,9 @@ def test_the_profile_is_the_true_one_with_the_pods_facts() -> None:
         "decode": 14,
         "decode_timed_by_server": 3,
         "transfer": 15,
+        "partial_prefill": 0,
     }
+    assert report["partial_prefill_error"] is None  # none measured: nothing to check
     assert report["measurements"]["prefill"][0] == [16, round(net.prefill[0].ttft_s, 6)]
     assert set(report["fits"]) == {"prefill", "decode", "transfer"}
     assert report["quality"] == p.quality and report["reason"] == p.notes
@@ -118,3 +120,35 @@ def test_too_few_measurements_are_a_probe_error() -> None:
     net = assemble.net_of_request_path(dataclasses.replace(measured(), decode=[]))
     with pytest.raises(ProbeError, match="too few measurements"):
         assemble.fit_all(net, CFG)
+
+
+def _partial(p1_scale: float) -> list[fit.PrefillSample]:
+    """Prompts of n tokens with h cached, as the pod answered them: A40's partial prefill with
+    its linear term scaled by `p1_scale` (1: the model holds), request path included."""
+    out = []
+    for n, h in [(1024, 512), (2048, 1024), (4096, 2048), (8000, 3984)]:
+        new = n - h
+        engine = A40.prefill.p0 * math.ceil(new / A40.max_num_batched_tokens)
+        engine += p1_scale * A40.prefill.p1 * new + A40.prefill.p2 * (n * n - h * h)
+        out.append(fit.PrefillSample(n, engine + PATH.base_s + PATH.per_token_s * n, h))
+    return out
+
+
+@pytest.mark.parametrize(("p1_scale", "quality"), [(1.0, "good"), (2.0, "poor")])
+def test_partial_prefills_check_the_cache_credit(p1_scale: float, quality: str) -> None:
+    """The prefill model fitted on whole prompts predicts partly cached ones exactly when the
+    pod computes only the uncached tokens; a pod that does not (twice the linear work here)
+    fails the check, judged like a held-out error, and the report says so."""
+    raw = dataclasses.replace(measured(), partial_prefill=_partial(p1_scale))
+    net = assemble.net_of_request_path(raw)
+    assert [s.cached_tokens for s in net.partial_prefill] == [512, 1024, 2048, 3984]
+    result = assemble.assemble(
+        CFG, POD, net, assemble.fit_all(net, CFG), elapsed_s=1.0, fitted_at="t"
+    )
+    error = result.report["partial_prefill_error"]
+    assert result.report["samples"]["partial_prefill"] == 4
+    assert result.profile.quality == quality
+    if quality == "good":
+        assert error < 0.01
+    else:
+        assert error > fit.FAIR_MAPE and "partial prefill error" in result.profile.notes

@@ -21,8 +21,10 @@ def zero(ledger: Ledger) -> bool:
     return all(
         (a.inflight, a.queued, a.queued_tokens, a.decoding, a.local_tokens, a.targets, a.first_due)
         == (0, 0, 0, 0, 0, {}, {})
+        and a.yielded_tokens == 0
         and abs(a.predicted_left) < 1e-6
         and abs(a.queued_sq_tokens) < 1e-6
+        and abs(a.yielded_sq_tokens) < 1e-6
         and abs(a.local_sq_tokens) < 1e-6
         for a in ledger.accounts.values()
     )
@@ -91,7 +93,7 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
         if op.startswith("arrive") and rid not in led.entries:
             p = None if op == "arrive_local" else "p0"
             d = None if op == "arrive_late" else f"d{i % 2}"
-            led.routed(Entry(rid, p, d, n, n / 3, SLO, 0.0))
+            led.routed(Entry(rid, p, d, n, n / 3, SLO, 0.0, priority=i % 2))
         elif op == "bind" and rid in led.entries and led.entries[rid].decode is None:
             led.bind_decode(rid, "d1")
         elif op == "prefilled":
@@ -102,6 +104,7 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
             led.finished(rid)
         for acc in led.accounts.values():
             assert acc.inflight >= 0 and acc.queued >= 0 and acc.queued_tokens >= 0
+            assert 0 <= acc.yielded_tokens <= acc.queued_tokens
             assert acc.local_tokens >= 0 and acc.decoding >= 0
             assert acc.predicted_left >= -1e-6
     for rid in list(led.entries):
@@ -166,3 +169,18 @@ def test_ttft_slack_of_the_requests_not_decoding_yet() -> None:
     assert view("d0", "decode", led.accounts["d0"], None, now=1.6).ttft_slack_s == (
         pytest.approx(-0.1),
     )
+
+
+def test_work_routed_with_a_priority_is_booked_as_yielded_until_prefilled() -> None:
+    led = Ledger()
+    led.routed(entry("on-time", n=100))
+    led.routed(Entry("late", "p0", "d0", 300, 50.0, SLO, routed_at=0.0, priority=1))
+    p0 = led.accounts["p0"]
+    snap = view("p0", "prefill", p0, None)
+    assert (snap.queued_tokens, snap.yielded_tokens) == (400, 300)
+    assert (snap.queued_sq_tokens, snap.yielded_sq_tokens) == (100_000.0, 90_000.0)
+    led.prefilled("late")
+    assert (p0.queued_tokens, p0.yielded_tokens, p0.yielded_sq_tokens) == (100, 0, 0.0)
+    led.finished("late")
+    led.finished("on-time")
+    assert zero(led)

@@ -315,3 +315,23 @@ def test_calibrated_avoids_a_preemption_risk_its_completion_time_would_take() ->
     assert max(risky.tpot_s, roomy.tpot_s) <= CHAT.tpot_s
     policy = make_policy("calibrated_greedy", options=PolicyOptions(pd_decider=False))
     assert policy.route(REQ, pool([full, busy]), random.Random(0)).decode == "busy"
+
+
+def test_priority_scheduling_asks_priority_1_for_a_request_late_anyway() -> None:
+    """Only with the switch, only when even the chosen placement misses the TTFT target; and
+    the work of earlier late requests is not ahead of an on-time one (it passes them)."""
+    fine = pool([decode("d0"), decode("d1")])
+    late_work = {"queued": 30, "queued_tokens": 30_000, "queued_sq_tokens": 30 * 1000.0**2}
+    yielded = {**late_work, "yielded_tokens": 30_000, "yielded_sq_tokens": 30 * 1000.0**2}
+    behind_late = pool([decode("d0"), decode("d1")], [prefill("p0", **yielded)])
+    behind_fcfs = pool([decode("d0"), decode("d1")], [prefill("p0", **late_work)])
+    on = make_policy("calibrated", options=PolicyOptions(priority_scheduling=True))
+    off = make_policy("calibrated")
+    rng = random.Random(0)
+    assert on.route(REQ, fine, rng).priority == 0
+    assert on.route(REQ, behind_late, rng).priority == 0  # passes the late ones
+    d = on.route(REQ, behind_fcfs, rng)
+    assert d.priority == 1 and d.predicted_ttft_s is not None and d.predicted_ttft_s > CHAT.ttft_s
+    assert off.route(REQ, behind_fcfs, rng).priority == 0
+    with pytest.raises(ValueError, match="priority_scheduling"):
+        make_policy("length", options=PolicyOptions(priority_scheduling=True))

@@ -93,6 +93,30 @@ def test_peer_rules() -> None:
     assert dyn.route(req, _pool({"p0": 500, "p1": 0}), rng).prefill == "p0"
 
 
+def test_llmd_weighted_sums_its_scorers() -> None:
+    """2 x cached share + (1 - KV in use) + waiting min-max: p0 (1536 of 2000 cached, 4 waiting)
+    scores 1.536 + 1 + 0 = 2.536 against the idle p1's 0 + 1 + 1 = 2; with p0's KV full,
+    1.536 < 2. Decode: the emptier queue."""
+    llmd = make_policy("llmd_weighted")
+    req = RequestFeatures("r", 2000, 100.0, 50.0, SLO, prefix_hits={"p0": 1536})
+    full = A40.kv_capacity_tokens
+
+    def pool(p0_kv: int) -> PoolSnapshot:
+        return PoolSnapshot(
+            now=0.0,
+            prefill=[_prefill("p0", waiting=4, kv_tokens_used=p0_kv), _prefill("p1")],
+            decode=[
+                InstanceSnapshot(name="d0", role="decode", profile=A40, waiting=3),
+                InstanceSnapshot(name="d1", role="decode", profile=A40, waiting=1),
+            ],
+        )
+
+    rng = random.Random(1)
+    d = llmd.route(req, pool(0), rng)
+    assert (d.prefill, d.decode) == ("p0", "d1")
+    assert llmd.route(req, pool(full), rng).prefill == "p1"
+
+
 def test_event_index_recomputes_the_routers_ids_from_the_events() -> None:
     """Whatever hashes the engine announces, blocks chained from its tokens get the ids the
     router computes from the same tokens; removals and a clear take them away."""

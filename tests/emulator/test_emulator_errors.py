@@ -223,3 +223,40 @@ def _running_waiting(http: Http, url: str, expected: tuple[int, int]) -> None:
 def test_extra_fields_are_accepted(emu: EmulatorThread, http: Http) -> None:
     body = {"prompt": "x", "max_tokens": 2, "ignore_eos": True, "whatever": {"a": 1}, "stop": "."}
     assert http.post(emu.url + COMPLETIONS, body).status == 200
+
+
+def test_priority_needs_priority_scheduling(emu: EmulatorThread, http: Http) -> None:
+    """vLLM refuses a non-zero priority (body, or the X-Vllm-Priority header that overrides it)
+    unless started with --scheduling-policy priority."""
+    body = {"prompt": "x", "max_tokens": 1}
+    err = _error(http.post(emu.url + COMPLETIONS, {**body, "priority": 1}), 400)
+    assert err["message"] == "Got priority 1 but Priority scheduling is not enabled."
+    _error(http.post(emu.url + COMPLETIONS, body, {"X-Vllm-Priority": "2"}), 400)
+    assert http.post(emu.url + COMPLETIONS, {**body, "priority": 0}).status == 200
+    # The header overrides the body: priority 0 by header makes the body's 3 harmless.
+    assert (
+        http.post(emu.url + COMPLETIONS, {**body, "priority": 3}, {"X-Vllm-Priority": "0"}).status
+        == 200
+    )
+    _error(http.post(emu.url + COMPLETIONS, body, {"X-Vllm-Priority": "high"}), 400, "priority")
+    _error(http.post(emu.url + COMPLETIONS, {**body, "priority": "high"}), 400, "body.priority")
+
+
+def test_priority_scheduling_serves_the_lower_value_first(start_emulator: Any, http: Http) -> None:
+    # One sequence slot: the first request runs; of the two that wait, priority 0 goes first.
+    profile = make_profile(max_num_seqs=1, decode={"d0": 0.05})
+    emu = start_emulator(profile, scheduling_policy="priority")
+    finished: list[int] = []
+
+    def call(priority: int) -> None:
+        body = {"prompt": "x", "max_tokens": 4, "priority": priority}
+        assert http.post(emu.url + COMPLETIONS, body).status == 200
+        finished.append(priority)
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in (7, 5, 0)]
+    for i, t in enumerate(threads):
+        t.start()
+        eventually(lambda i=i: _running_waiting(http, emu.url, (1, i)))
+    for t in threads:
+        t.join()
+    assert finished == [7, 0, 5]

@@ -399,3 +399,27 @@ def test_a_large_clock_still_progresses(t0: float) -> None:
     assert len(done) == len(base)
     for r in done:
         assert r.finish - t0 == pytest.approx(expected[r.index], abs=1e-6 + t0 * 1e-14)
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_priority_scheduling_orders_admission_and_chooses_the_victim(scheduling: str) -> None:
+    """With one sequence slot, waiting requests are admitted by (priority, arrival) under
+    priority scheduling; under KV pressure the victim is the newest of the highest value."""
+    one = DecodeEngine("d", dataclasses.replace(A40, max_num_seqs=1), scheduling=scheduling)
+    reqs = [EngineRequest(i, 0.0, 100, 5, "chat", priority=p) for i, p in enumerate([0, 1, 0])]
+    drive(one, [(0.0, r) for r in reqs])
+    order = [r.index for r in sorted(reqs, key=lambda r: r.first_token)]
+    assert order == ([0, 2, 1] if scheduling == "priority" else [0, 1, 2])
+
+    tight = DecodeEngine(
+        "d", dataclasses.replace(A40, kv_capacity_tokens=700), scheduling=scheduling
+    )
+    grow = [EngineRequest(i, 0.0, 200, 200, "chat", priority=p) for i, p in enumerate([1, 0, 0])]
+    drive(tight, [(0.0, r) for r in grow])
+    assert tight.preemptions > 0
+    # fcfs preempts the newest admitted (2, then 1), never the oldest; priority preempts the
+    # priority-1 request first, and never the oldest of priority 0.
+    if scheduling == "priority":
+        assert grow[0].preemptions > 0 and grow[1].preemptions == 0
+    else:
+        assert grow[0].preemptions == 0 and grow[2].preemptions > 0

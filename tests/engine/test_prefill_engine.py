@@ -63,3 +63,28 @@ def test_abort_of_a_partly_prefilled_prompt_is_refused_while_its_chunk_runs() ->
         done += eng.advance(t)
         iterations += 1
     assert iterations == 3 and done == [long] and eng.kv_used == 250
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_priority_scheduling_lets_a_lower_value_pass_waiting_prompts_but_not_a_started_one(
+    scheduling: str,
+) -> None:
+    """vLLM's --scheduling-policy priority: waiting requests by (priority, arrival); a prompt
+    whose prefill has begun keeps its place. Under fcfs the priorities change nothing."""
+    eng = PrefillEngine(
+        "p", dataclasses.replace(A40, max_num_batched_tokens=100), scheduling=scheduling
+    )
+    started, late1, late2, urgent, urgent2 = (
+        EngineRequest(i, 0.0, 100, 1, "x", priority=p) for i, p in enumerate([1, 1, 1, 0, 0])
+    )
+    for req in (started, late1, late2, urgent, urgent2):
+        eng.enqueue(req, 0.0)
+    order = []
+    while (t := eng.next_wakeup()) is not None:
+        for req in eng.advance(t):
+            order.append(req.index)
+            eng.release(req, t)
+    if scheduling == "priority":
+        assert order == [0, 3, 4, 1, 2]
+    else:
+        assert order == [0, 1, 2, 3, 4]

@@ -166,6 +166,7 @@ def test_deleted_pods_lose_their_profiles_and_jobs_and_unready_pods_wait() -> No
         ({"router": {"policy": "cache_aware"}}, "router.policy"),
         ({"router": {"prefixIndex": "yes"}}, "router.prefixIndex"),
         ({"router": {"kvEvents": True}}, "router.kvEvents"),
+        ({"router": {"policy": "length", "priorityScheduling": True}}, "router.priorityScheduling"),
     ],
 )
 def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None:
@@ -237,3 +238,23 @@ def test_prefix_index_and_kv_events_reach_the_router_and_the_prefill_pods() -> N
         "endpoint": "tcp://*:5557",
     }
     assert "--kv-events-config" not in engines["decode"]["args"]
+
+
+def test_priority_scheduling_reaches_the_router_and_every_vllm_pod() -> None:
+    """The router's priorities are refused by vLLM under fcfs: the switch renders both."""
+    for on in (False, True):
+        pool, spec = _spec("small.yaml", router__priorityScheduling=on)
+        docs = render_pool(pool, spec)
+        cm = next(o for o in docs if o["kind"] == "ConfigMap" and "sidecar.yaml" in o["data"])
+        assert yaml.safe_load(cm["data"]["sidecar.yaml"])["priority_scheduling"] is on
+        engines = [
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+            for d in docs
+            if d["kind"] == "Deployment" and "disaggpool.io/role" in d["metadata"]["labels"]
+        ]
+        assert len(engines) >= 2
+        for args in engines:
+            has = "--scheduling-policy" in args
+            assert has is on and (
+                not on or args[args.index("--scheduling-policy") + 1] == "priority"
+            )

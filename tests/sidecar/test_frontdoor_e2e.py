@@ -311,3 +311,28 @@ def test_late_binding_and_the_local_path_serve_every_request(
         assert (local, prefill_legs) == (7, 0)  # the prefill pod never saw a request
     else:
         assert (local, prefill_legs) == (0, 7)
+
+
+@pytest.mark.parametrize("engines", ["fcfs", "priority"])
+def test_priority_scheduling_sends_the_decisions_priority_on_both_legs(
+    start_pool, start_sidecar, engines: str
+) -> None:
+    """With a TTFT target no pod can meet, every request is predicted late and goes out with
+    priority 1 (plus the client's own): engines scheduling by priority serve it; FCFS engines
+    refuse a non-zero priority, as vLLM does, which shows it reached them. Without the switch
+    nothing is added, and FCFS engines serve the same requests."""
+    pool = start_pool([A40], [A40], scheduling_policy=engines)
+    hopeless = [{"name": "chat", "ttft_s": 1e-6, "tpot_s": 1.0}]
+    sc = start_sidecar(pool, slo_classes=hopeless, priority_scheduling=True)
+    plain = start_sidecar(pool, slo_classes=hopeless)
+    body = {"model": MODEL, "prompt": "a late one", "max_tokens": 3}
+    status, out = post(f"{sc.url}/v1/completions", body)
+    if engines == "priority":
+        assert status == 200 and out["usage"]["completion_tokens"] == 3
+    else:
+        assert status == 400 and "Priority scheduling is not enabled" in out["error"]["message"]
+    status, out = post(f"{plain.url}/v1/completions", body)
+    assert status == 200
+    status, out = post(f"{sc.url}/v1/completions", {**body, "priority": "high"})
+    assert status == 400 and out["error"]["param"] == "priority"
+    assert idle(sc) and idle(plain)

@@ -49,7 +49,7 @@ def engine_hits(pool, role: str = "prefill") -> float:
     )
 
 
-@pytest.mark.parametrize("policy", ["calibrated", "cache_aware", "dynamo_kv"])
+@pytest.mark.parametrize("policy", ["calibrated", "cache_aware", "dynamo_kv", "llmd_weighted"])
 def test_the_index_matches_the_engines_and_keeps_conversations_together(
     start_pool, start_sidecar, policy: str
 ) -> None:

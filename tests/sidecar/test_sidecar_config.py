@@ -105,6 +105,8 @@ def test_static_members_strip_trailing_slash() -> None:
         ),
         ({"pool": {"kubernetes": {"namespace": "ns"}}}, "pool.kubernetes.selector"),
         ({"colour": "blue"}, "colour"),
+        ({"policy": "least_loaded", "priority_scheduling": True}, "priority_scheduling"),
+        ({"priority_scheduling": "yes"}, "priority_scheduling"),
     ],
 )
 def test_bad_config_names_the_field(patch: dict[str, Any], field: str) -> None:

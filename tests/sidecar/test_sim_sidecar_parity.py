@@ -57,7 +57,7 @@ class RecordingReplica(RouterReplica):
     def routed(
         self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float, cached: int = 0
     ) -> None:
-        self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode))
+        self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode, req.priority))
         super().routed(req, prefill, decode, slo, now, cached)
 
     def bind_decode(self, req: EngineRequest, decode: str) -> None:
@@ -73,12 +73,12 @@ class RecordingReplica(RouterReplica):
         super().finished(req)
 
 
-def trace(n: int, seed: int) -> list[TraceRequest]:
+def trace(n: int, seed: int, rate: float = 14.0) -> list[TraceRequest]:
     rng = random.Random(seed)
     t = 0.0
     out = []
     for _ in range(n):
-        t += rng.expovariate(14.0)
+        t += rng.expovariate(rate)
         out.append(TraceRequest(t, rng.randint(20, 2000), rng.randint(5, 300), "chat"))
     return out
 
@@ -96,6 +96,7 @@ def simulate(
         default_class="chat",
         seed=11,
         router=RouterOptions(late_binding=late),
+        scheduling="priority" if options.priority_scheduling else "fcfs",
     )
     (replica,) = sim.routers
     sim.routers = [
@@ -107,7 +108,8 @@ def simulate(
         )
     ]
     del replica
-    sim.run(trace(300, seed=5))
+    # Priorities are 1 only for requests predicted late: load the pool until some are.
+    sim.run(trace(300, seed=5, rate=100.0 if options.priority_scheduling else 14.0))
     return log
 
 
@@ -147,15 +149,16 @@ def replay(
             now[0] = t
             service.progress(rid, produced, first_token_at)
         elif kind == "routed":
-            _, t, rid, prompt, prefill, decode = event
+            _, t, rid, prompt, prefill, decode, priority = event
             now[0] = t
             routed = service.route(rid, prompt)
             got = (
                 routed.prefill.name if routed.prefill else None,
                 routed.decode.name if routed.decode else None,
+                routed.decision.priority,
             )
             compared += 1
-            differ += got != (prefill, decode)
+            differ += got != (prefill, decode, priority)
         elif kind == "bound":
             routed = service.bind_decode(event[1])
             compared += 1
@@ -176,6 +179,7 @@ CASES = [(name, PolicyOptions(), False) for name in POLICY_NAMES] + [
     ("length", PolicyOptions(), True),
     ("calibrated", PolicyOptions(), True),
     ("calibrated", PolicyOptions(pd_decider=True), False),
+    ("calibrated", PolicyOptions(pd_decider=True, priority_scheduling=True), False),
     ("round_robin", PolicyOptions(local_prefill_below=300), False),
 ]
 
@@ -188,6 +192,7 @@ CASES = [(name, PolicyOptions(), False) for name in POLICY_NAMES] + [
             [p, "late" if late else "arrival"]
             + (["pd_decider"] if o.pd_decider else [])
             + ([f"local<{o.local_prefill_below}"] if o.local_prefill_below else [])
+            + (["priority"] if o.priority_scheduling else [])
         )
         for p, o, late in CASES
     ],
@@ -204,6 +209,9 @@ def test_the_sidecar_decides_what_the_simulator_decided(
     if options.pd_decider or options.local_prefill_below:
         locals_ = sum(1 for e in log if e[0] == "routed" and e[4] is None)
         assert 0 < locals_ < routed  # the decider took both paths in this trace
+    if options.priority_scheduling:
+        late_ones = sum(1 for e in log if e[0] == "routed" and e[6] == 1)
+        assert 0 < late_ones < routed  # some were predicted late, so priorities are compared
     compared, differ = replay(log, specs, policy, options, late)
     assert compared >= 300
     assert differ == 0, f"{differ} of {compared} decisions differ"

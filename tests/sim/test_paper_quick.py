@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from disaggpool.cli import main
-from disaggpool.sim import paper, paper_study
+from disaggpool.sim import paper, paper_setup, paper_study
 from disaggpool.sim.paper_setup import BASELINES
 
 ROW_KEYS = {
@@ -43,6 +43,7 @@ EXPERIMENT_KEYS: dict[str, tuple[str, str | None]] = {
     "scarcity": ("load", "llama8b"),
     "hardware_spread": ("hardware_spread", "llama8b"),
     "gpu_count": ("gpus", None),
+    "constant_error": ("error_factor", None),
 }
 SWEEP_LABELS = {"round_robin", "least_loaded", "length", "calibrated"}
 
@@ -144,6 +145,17 @@ def test_ablation_and_robustness_rows(quick: tuple[Doc, str, Path]) -> None:
     assert variants["oracle_predictor"]["predictor"] == "oracle"
     assert variants["no_guard"]["policy"] == "calibrated_greedy"
     assert variants["datasheet_no_pd"]["policy"] == "uncalibrated"
+    assert variants["priority_scheduling"]["options"]["priority_scheduling"] is True
+    assert variants["calibrated"]["options"]["priority_scheduling"] is False
+    errors = doc["experiments"]["constant_error"]
+    assert {r["slo"] for r in errors if r["setup"] == "paper"} == {"tight"}
+    assert _labels(errors) == set(paper_setup.ERROR_ARMS)
+    assert {r["error_factor"] for r in errors} == set(paper_setup.ERROR_FACTORS)
+    found = doc["findings"]["constant_error"]
+    assert set(found) == {"llama8b", "paper/tight"}
+    for group in found.values():
+        assert set(group) == set(paper_setup.ERROR_ARMS)
+        assert group["seconds"]["loss_points"]["1.0"] == 0.0
     robustness = doc["experiments"]["robustness"]
     assert {r["slo"] for r in robustness} == {"tight"}
     for case in paper_study.CASES:
@@ -194,6 +206,7 @@ def test_findings_tables_and_plots(quick: tuple[Doc, str, Path]) -> None:
         "scarcity.png",
         "hardware_spread.png",
         "gpu_count.png",
+        "constant_error.png",
     }
     for title in (
         "main [llama8b]",

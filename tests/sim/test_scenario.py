@@ -455,7 +455,7 @@ def test_router_block_sets_what_the_router_knows_and_its_switches(tmp_path: Path
         "trace": {"generate": {"n": 20, "rate": 2.0}},
         "policies": ["length", "calibrated"],
         "router": {"scrape_interval_s": 0.5, "replicas": 2, "decode_binding": "late",
-                   "pd_decider": True, "local_prefill_below": 64},
+                   "pd_decider": True, "local_prefill_below": 64, "priority_scheduling": True},
     }  # fmt: skip
     path.write_text(yaml.safe_dump(doc))
     scen = load_scenario(path)
@@ -463,6 +463,8 @@ def test_router_block_sets_what_the_router_knows_and_its_switches(tmp_path: Path
     assert specs["calibrated"].router.replicas == 2 and specs["calibrated"].router.late_binding
     assert specs["calibrated"].options.pd_decider
     assert not specs["length"].options.pd_decider  # no cost model to price it with
+    assert specs["calibrated"].options.priority_scheduling
+    assert not specs["length"].options.priority_scheduling
     assert specs["length"].options.local_prefill_below == 64
     doc["router"] = {"decode_binding": "sometimes"}
     path.write_text(yaml.safe_dump(doc))

@@ -58,6 +58,12 @@ def net_of_request_path(measured: Measured) -> Measured:
             fit.TransferSample(s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s))
             for s in measured.transfer
         ],
+        partial_prefill=[
+            fit.PrefillSample(
+                s.prompt_tokens, engine_time(s.prompt_tokens, s.ttft_s), s.cached_tokens
+            )
+            for s in measured.partial_prefill
+        ],
     )
 
 
@@ -85,8 +91,17 @@ def assemble(
     elapsed_s: float,
     fitted_at: str,
 ) -> ProbeResult:
-    """The profile of `pod` and the probe's report (`fitted_at`: an ISO-8601 UTC timestamp)."""
-    quality, reason = fit.verdict(fits.all())
+    """The profile of `pod` and the probe's report (`fitted_at`: an ISO-8601 UTC timestamp).
+
+    Partial prefills (a pod caching prefixes) are not fitted: the prefill model fitted on whole
+    prompts must predict them, which is what the router's cache credit relies on; their error
+    is judged like a held-out error."""
+    checks = {}
+    if net.partial_prefill:
+        checks["partial prefill"] = fit.prefill_error(
+            fits.prefill, net.partial_prefill, cfg.max_num_batched_tokens
+        )
+    quality, reason = fit.verdict(fits.all(), checks)
     if fits.transfer is None:
         reason += "; KV transfer not measured (no --peer): default 2 ms + 20 GB/s"
         k0, bandwidth = DEFAULT_K0_S, DEFAULT_KV_BANDWIDTH
@@ -112,11 +127,17 @@ def assemble(
         tpot_mape=round(fits.decode.holdout_mape, 4),
         notes=reason,
     )
-    return ProbeResult(profile, _report(cfg, net, fits, elapsed_s, quality, reason))
+    return ProbeResult(profile, _report(cfg, net, fits, elapsed_s, quality, reason, checks))
 
 
 def _report(
-    cfg: ProbeConfig, net: Measured, fits: Fits, elapsed_s: float, quality: str, reason: str
+    cfg: ProbeConfig,
+    net: Measured,
+    fits: Fits,
+    elapsed_s: float,
+    quality: str,
+    reason: str,
+    checks: dict[str, float],
 ) -> dict[str, Any]:
     path = net.request_path
     return {
@@ -137,12 +158,20 @@ def _report(
             "decode": len(net.decode),
             "decode_timed_by_server": net.decode_timed_by_server,
             "transfer": len(net.transfer),
+            "partial_prefill": len(net.partial_prefill),
         },
+        # The prefill model, fitted on whole prompts, predicting prompts partly cached.
+        "partial_prefill_error": round(checks["partial prefill"], 4)
+        if "partial prefill" in checks
+        else None,
         # What was fitted (TTFTs net of the request path), for anyone who doubts a fit.
         "measurements": {
             "prefill": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in net.prefill],
             "decode": [[s.batch, s.context_tokens, round(s.itl_s, 6)] for s in net.decode],
             "transfer": [[s.prompt_tokens, round(s.ttft_s, 6)] for s in net.transfer],
+            "partial_prefill": [
+                [s.prompt_tokens, s.cached_tokens, round(s.ttft_s, 6)] for s in net.partial_prefill
+            ],
         },
         "fits": {
             "prefill": fits.prefill.as_dict(),

@@ -20,7 +20,7 @@ from disaggpool import promtext
 from disaggpool.calibration.common import Pod, ProbeConfig, ProbeError
 from disaggpool.pdwire import prefill_leg_params
 
-__all__ = ["Client", "cache_config", "itl_totals"]
+__all__ = ["Client", "cache_config", "itl_totals", "prefix_caching_enabled"]
 
 TOKEN_IDS = range(100, 400)  # valid ids for any vocabulary of 512 tokens or more
 CACHE_CONFIG = "vllm:cache_config_info"
@@ -42,6 +42,15 @@ def cache_config(metrics_text: str) -> tuple[int, int]:
         return int(labels["num_gpu_blocks"]), int(labels["block_size"])
     except (KeyError, ValueError) as exc:
         raise ProbeError(f"{CACHE_CONFIG} lacks a usable {exc} label") from None
+
+
+def prefix_caching_enabled(metrics_text: str) -> bool:
+    """Whether vLLM's `vllm:cache_config_info` says prefix caching is on (its first engine's)."""
+    try:
+        samples = promtext.parse(metrics_text, [CACHE_CONFIG])
+    except promtext.PromTextError:
+        return False
+    return bool(samples) and samples[0].labels.get("enable_prefix_caching") == "True"
 
 
 def itl_totals(metrics_text: str) -> tuple[float, float] | None:
@@ -78,7 +87,9 @@ class Client:
         except (KeyError, IndexError, TypeError, ValueError):
             raise ProbeError(f"{url}/v1/models: unexpected body {str(models)[:200]}") from None
         blocks, block_size = cache_config(metrics)
-        return Pod(url, model, max_len, blocks * block_size, block_size)
+        return Pod(
+            url, model, max_len, blocks * block_size, block_size, prefix_caching_enabled(metrics)
+        )
 
     async def rejected(
         self, pod: Pod, prompt: list[int], extra: dict[str, Any] | None = None

@@ -71,6 +71,7 @@ class Pod:
     max_model_len: int
     kv_capacity_tokens: int
     block_size: int
+    prefix_caching: bool = False  # `enable_prefix_caching` of its cache_config_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,3 +95,6 @@ class Measured:
     decode: Sequence[fit.DecodeSample]
     decode_timed_by_server: int  # decode samples read off the server's inter-token histogram
     request_path: RequestPath
+    # Prefills of prompts whose leading blocks the pod had cached (none without prefix caching):
+    # they check the prefill model's credit for a cache hit, they are not fitted.
+    partial_prefill: Sequence[fit.PrefillSample] = ()

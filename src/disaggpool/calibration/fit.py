@@ -25,7 +25,7 @@ non-negative (a negative time per token is never physical: the coefficient is th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -40,6 +40,8 @@ __all__ = [
     "fit_prefill",
     "fit_transfer",
     "huber_nnls",
+    "prefill_error",
+    "prefill_time",
     "verdict",
 ]
 
@@ -55,6 +57,33 @@ FAIR_MAPE = 0.25
 class PrefillSample:
     prompt_tokens: int
     ttft_s: float
+    cached_tokens: int = 0  # of the prompt, found in the pod's prefix cache
+
+
+def prefill_time(coef: Sequence[float], n: int, cached: int, max_batched_tokens: int) -> float:
+    """The prefill model (`core.profile`, COSTMODEL.md "The prefix cache") at `coef` = (p0, p1,
+    p2): ``p0 * ceil((n - h) / M_b) + p1 * (n - h) + p2 * (n**2 - h**2)``."""
+    p0, p1, p2 = coef
+    new = n - cached
+    return p0 * -(-new // max_batched_tokens) + p1 * new + p2 * (n * n - cached * cached)
+
+
+def prefill_error(
+    fitted: FitResult, samples: Sequence[PrefillSample], max_batched_tokens: int
+) -> float:
+    """Mean absolute percentage error of the fitted prefill model on `samples` (which it was not
+    fitted on: an out-of-sample check)."""
+    if not samples:
+        raise ValueError("no samples to check the prefill model on")
+    errors = [
+        abs(
+            prefill_time(fitted.coef, s.prompt_tokens, s.cached_tokens, max_batched_tokens)
+            - s.ttft_s
+        )
+        / max(s.ttft_s, NOISE_FLOOR_S)
+        for s in samples
+    ]
+    return float(np.mean(errors))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -225,11 +254,20 @@ def fit_transfer(samples: Sequence[TransferSample], decode: FitResult, seed: int
     return _fit(("k0", "s_per_token"), x, y, seed, offset=first_step)
 
 
-def verdict(fits: Sequence[FitResult]) -> tuple[str, str]:
-    """(quality, reason): good/fair/poor from held-out error and interval widths."""
-    worst = max(f.holdout_mape for f in fits)
-    reasons = []
-    caveats = []
+def verdict(
+    fits: Sequence[FitResult], checks: Mapping[str, float] | None = None
+) -> tuple[str, str]:
+    """(quality, reason): good/fair/poor from held-out error and interval widths. `checks`:
+    named out-of-sample errors of the fitted models (e.g. on partial prefills), judged by the
+    same thresholds as the held-out errors."""
+    checks = checks or {}
+    worst = max([f.holdout_mape for f in fits] + list(checks.values()))
+    reasons = [
+        f"{name} error {error:.0%} > {FAIR_MAPE:.0%}"
+        for name, error in checks.items()
+        if error > FAIR_MAPE
+    ]
+    caveats: list[str] = []
     for f in fits:
         if f.holdout_mape > FAIR_MAPE:
             reasons.append(

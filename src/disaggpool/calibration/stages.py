@@ -3,7 +3,8 @@
 `probe` calls `measure` once discovery is done; it runs, in this order:
 
 1. prefill: single streaming requests with `max_tokens=1` on the idle pod, prompt lengths on a
-   log grid -> TTFT(n);
+   log grid -> TTFT(n); on a pod that caches prefixes, every third prompt is followed by one
+   sharing its leading half -> TTFT(n, h cached), which checks the prefill model's cache credit;
 2. KV transfer (with a peer, the prefill pod): prefill legs on the peer, decode legs here, as
    vLLM's P/D proxy does -> decode-leg TTFT(n);
 3. decode: B concurrent streams with prompts of L tokens, `ignore_eos` -> mean inter-token gap
@@ -56,6 +57,7 @@ DECODE_PASSES = 8  # most passes through the decode grid (fewer when the budget 
 DECODE_JOIN_SHARE = 0.1  # most of the decode stage one run may spend prefilling its prompts
 PREFILL_PASSES = 24  # most passes through the prefill grid
 TRANSFER_PASSES = 16  # most passes through the KV-transfer grid
+PARTIAL_EVERY = 3  # every this many prefill prompts, one partial prefill after it
 MIN_TWINS = 4  # rejected twins needed to fit the request path
 
 
@@ -92,9 +94,12 @@ async def prefill_stage(
     stop: Stop,
     progress: Progress | None,
     overheads: list[fit.OverheadSample],
+    partial: list[fit.PrefillSample] | None = None,
 ) -> list[fit.PrefillSample]:
     """TTFTs of single requests on the idle pod; appends the rejected twins' times to
-    `overheads`."""
+    `overheads`. With `partial` and a pod that caches prefixes, every `PARTIAL_EVERY`-th prompt
+    of at least two blocks is followed by one sharing its leading half (whole blocks) and new
+    after it, whose TTFT goes to `partial` with the cached tokens."""
     top = max(16, min(pod.max_model_len - 8, 8192))  # long prompts pin down the quadratic term
     grid = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
     # Two more of the shortest and three of the longest per pass: the fixed cost is read off the
@@ -116,6 +121,13 @@ async def prefill_stage(
         times = await client.stream(pod, prompt, 1)
         if len(times) >= 2:
             samples.append(fit.PrefillSample(n, times[1] - times[0]))
+        cached = (n // 2) // pod.block_size * pod.block_size
+        if partial is not None and pod.prefix_caching and cached and i % PARTIAL_EVERY == 0:
+            # vLLM cached the prompt's full blocks when it finished: the new prompt finds its
+            # first `cached` tokens there and computes only the rest.
+            times = await client.stream(pod, prompt[:cached] + client.prompt(n - cached), 1)
+            if len(times) >= 2:
+                partial.append(fit.PrefillSample(n, times[1] - times[0], cached))
         if progress:
             progress("prefill", i + 1, len(plan))
     return samples
@@ -272,7 +284,10 @@ async def measure(
 ) -> Measured:
     """Run every stage on `pod` (and `peer`, if any) within `budget`."""
     overheads: list[fit.OverheadSample] = []
-    pre = await prefill_stage(client, pod, budget.stop(PREFILL_SHARE, 8), progress, overheads)
+    partial: list[fit.PrefillSample] = []
+    pre = await prefill_stage(
+        client, pod, budget.stop(PREFILL_SHARE, 8), progress, overheads, partial
+    )
     # The KV transfer before the decode stage, whose grid never runs short of work: time the
     # other stages leave over goes to it.
     xfer = (
@@ -286,4 +301,4 @@ async def measure(
         client, pod, client.cfg, budget.stop(DECODE_END, 6), progress, interpolated(pre)
     )
     path = await request_path(client, pod, overheads)
-    return Measured(pre, xfer, dec, server_timed, path)
+    return Measured(pre, xfer, dec, server_timed, path, partial)

@@ -129,6 +129,9 @@ class InstanceSnapshot:
     `local_prefill_tokens` / `local_prefill_sq_tokens` (decode instances): prompt tokens (and their
     squares) of the requests routed there to be prefilled *on the decode instance itself* (the
     P/D decider's local path) that have not started decoding.
+    `yielded_tokens` / `yielded_sq_tokens` (prefill instances): the part of `queued_tokens` /
+    `queued_sq_tokens` routed with a priority above 0 (`RouteDecision.priority`): work that a
+    priority-0 request passes on an engine scheduling by priority.
     `ttft_slack_s` (decode instances): for each request routed there that has not started
     decoding, the seconds left until its first token is due (negative when already late), in
     increasing order: a stall of S seconds there now breaks those with slack in [0, S).
@@ -144,6 +147,8 @@ class InstanceSnapshot:
     queued: int = 0
     queued_tokens: int = 0
     queued_sq_tokens: float = 0.0
+    yielded_tokens: int = 0
+    yielded_sq_tokens: float = 0.0
     remaining_output_tokens: float = 0.0
     tpot_budgets: TpotBudgets = NO_BUDGETS
     local_prefill_tokens: int = 0
@@ -178,6 +183,10 @@ class RouteDecision:
     `shed`: the request's class is sheddable and the placement breaking the fewest SLOs still
     misses its own: the router refuses it rather than serve it late (only a policy that priced
     every instance says so).
+    `priority`: what to ask the engines for (vLLM's `priority`, lower runs first, on engines
+    started with `--scheduling-policy priority`): 1 when the policy predicts the request misses
+    its TTFT target wherever it goes, so that requests which can still make theirs go first;
+    0 otherwise, and always 0 unless the router runs with `priority_scheduling`.
     """
 
     prefill: str | None
@@ -189,3 +198,4 @@ class RouteDecision:
     guarded: bool = False
     fallback: Fallback | None = None
     shed: bool = False
+    priority: int = 0

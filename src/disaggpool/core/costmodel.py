@@ -65,12 +65,14 @@ def prefill_ready_time(
     The queue is the router's own prompt tokens not yet prefilled there (less what it expected
     cached), or the scraped `waiting` count priced at this request's length when another client
     fed the instance. With h of its n tokens cached there, the request itself costs the partial
-    prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix cache").
+    prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix cache"). Work
+    routed there with a priority above 0 is not ahead of it: the router gives that only to
+    requests it predicts late, on engines scheduling by priority (COSTMODEL.md, "Priority").
     """
     n = req.prompt_tokens
     h = req.prefix_hits.get(inst.name, 0) if req.prefix_hits else 0
-    q_tokens = inst.queued_tokens
-    q_sq = inst.queued_sq_tokens
+    q_tokens = inst.queued_tokens - inst.yielded_tokens
+    q_sq = inst.queued_sq_tokens - inst.yielded_sq_tokens
     if inst.waiting > inst.queued:  # work the router did not send itself
         extra = inst.waiting - inst.queued
         q_tokens += extra * n

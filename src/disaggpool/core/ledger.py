@@ -8,8 +8,9 @@ the policies read, by one rule for every router:
 * prefill instance: `inflight` = `queued` = requests routed there whose prefill has not answered,
   `queued_tokens` / `queued_sq_tokens` their prompt tokens (and squares) less what the router
   expected cached there (`Entry.cached_tokens`: h of n tokens count n - h and n**2 - h**2, the
-  partial prefill of the cost model); `waiting` is the
-  scraped count raised to our own `queued` when that is higher;
+  partial prefill of the cost model), `yielded_tokens` / `yielded_sq_tokens` the part of them
+  routed with a priority above 0 (`Entry.priority`); `waiting` is the scraped count raised to
+  our own `queued` when that is higher;
 * decode instance: `inflight` = routed there and not finished; `queued` = not yet decoding (no
   output token seen), `queued_tokens` their prompt tokens; `remaining_output_tokens` = predicted
   output of the in-flight requests minus what they produced so far (at least one token per
@@ -89,6 +90,7 @@ class Entry:
     generated: int = 0
     first_token_at: float = 0.0
     cached_tokens: int = 0  # of its prompt, expected cached on its prefill instance
+    priority: int = 0  # what the engines were asked for (RouteDecision.priority)
     # While decoding, budget(now) = (due - now) / left: `left` the predicted remaining tokens (at
     # least 1), `due` when the last of them is due. Both change only with `generated`.
     due: float = 0.0
@@ -119,6 +121,8 @@ class Account:
     queued: int = 0
     queued_tokens: int = 0
     queued_sq_tokens: float = 0.0
+    yielded_tokens: int = 0
+    yielded_sq_tokens: float = 0.0
     decoding: int = 0
     predicted_left: float = 0.0
     tokens_since_scrape: int = 0
@@ -176,6 +180,9 @@ class Ledger:
             p.queued += 1
             p.queued_tokens += n - h
             p.queued_sq_tokens += float(n) * n - float(h) * h
+            if entry.priority > 0:
+                p.yielded_tokens += n - h
+                p.yielded_sq_tokens += float(n) * n - float(h) * h
         if entry.decode is not None:
             self._book_decode(entry, entry.decode)
 
@@ -301,8 +308,11 @@ class Ledger:
         p.queued -= 1
         p.queued_tokens -= n - h
         p.queued_sq_tokens -= float(n) * n - float(h) * h
+        if entry.priority > 0:
+            p.yielded_tokens -= n - h
+            p.yielded_sq_tokens -= float(n) * n - float(h) * h
         if p.inflight == 0:
-            p.queued_sq_tokens = 0.0
+            p.queued_sq_tokens = p.yielded_sq_tokens = 0.0  # no float residue
 
 
 def _pow2(tokens: float) -> int:
@@ -372,6 +382,8 @@ def view(
             queued=acc.queued,
             queued_tokens=acc.queued_tokens,
             queued_sq_tokens=acc.queued_sq_tokens,
+            yielded_tokens=acc.yielded_tokens,
+            yielded_sq_tokens=acc.yielded_sq_tokens,
             healthy=healthy,
             profile=profile,
         )

@@ -4,7 +4,7 @@
                        [--served-model-name NAME ...] [--max-model-len N] [--seed S]
                        [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
                        [--startup-delay SECONDS] [--[no-]enable-prefix-caching]
-                       [--kv-events-config JSON]
+                       [--kv-events-config JSON] [--scheduling-policy fcfs|priority]
 
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from disaggpool import precise_loop
 from disaggpool.emulator.config import EmulatorConfig, side_channel_from_env
 from disaggpool.emulator.server import serve
+from disaggpool.engine.request import SCHEDULING_POLICIES
 from disaggpool.errors import InputError
 from disaggpool.formats.kv_events import KVEventsConfig, parse_kv_events_config
 from disaggpool.formats.profiles import resolve_profile
@@ -79,6 +80,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="reuse the KV of cached leading prompt blocks on prefill legs (default: on, as vLLM)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs (default) or priority: waiting requests ordered by the request's `priority`",
+    )
+    p.add_argument(
         "--kv-events-config",
         default=None,
         help="vLLM's KV events config as JSON, e.g. "
@@ -102,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         jitter=args.jitter,
         startup_delay=args.startup_delay,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         kv_events=parse_kv_events_config(args.kv_events_config)
         if args.kv_events_config
         else KVEventsConfig(),

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping
 
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.request import SchedulingPolicy
 from disaggpool.errors import InputError
 from disaggpool.formats.kv_events import KVEventsConfig
 
@@ -65,6 +66,9 @@ class EmulatorConfig:
     enable_prefix_caching: bool = True
     # vLLM's --kv-events-config: the prefill engine's cache changes published over ZMQ.
     kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
+    # vLLM's --scheduling-policy: "priority" orders waiting requests by their `priority`; under
+    # "fcfs" a request with a non-zero priority is refused (400), as vLLM refuses it.
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # How long a decode leg waits for the prefill side to answer a KV read before failing it.
     pull_timeout: float = 5.0
 

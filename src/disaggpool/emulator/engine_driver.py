@@ -33,7 +33,7 @@ from typing import Protocol
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
-from disaggpool.engine.request import EngineRequest
+from disaggpool.engine.request import EngineRequest, SchedulingPolicy
 
 __all__ = ["DecodeDriver", "DecodeListener", "PrefillDriver", "PrefillListener"]
 
@@ -136,6 +136,7 @@ class PrefillDriver(_Driver):
         rng_seed: int,
         name: str = "prefill",
         prefix_caching: bool = False,
+        scheduling: SchedulingPolicy = "fcfs",
         on_kv_events: Callable[[list[tuple[str, EngineRequest | None, list[int]]]], None]
         | None = None,
     ) -> None:
@@ -146,6 +147,7 @@ class PrefillDriver(_Driver):
             jitter=jitter,
             rng=random.Random(rng_seed),
             prefix_caching=prefix_caching,
+            scheduling=scheduling,
             kv_events=on_kv_events is not None,
         )
         self._listeners: dict[int, PrefillListener] = {}
@@ -202,11 +204,17 @@ class DecodeDriver(_Driver):
         jitter: float,
         rng_seed: int,
         name: str = "decode",
+        scheduling: SchedulingPolicy = "fcfs",
         on_preempt: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.engine = DecodeEngine(
-            name, profile, jitter=jitter, rng=random.Random(rng_seed), jitter_per_step=True
+            name,
+            profile,
+            jitter=jitter,
+            rng=random.Random(rng_seed),
+            jitter_per_step=True,
+            scheduling=scheduling,
         )
         self._listeners: dict[int, tuple[EngineRequest, DecodeListener]] = {}
         self._emitted: dict[int, int] = {}

@@ -38,7 +38,7 @@ from typing import Any
 from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.engine_driver import DecodeDriver, PrefillDriver
-from disaggpool.emulator.errors import ApiError
+from disaggpool.emulator.errors import ApiError, value_error
 from disaggpool.emulator.job import Done, Failed, Job, Tokens
 from disaggpool.emulator.kv_lending import KVLender
 from disaggpool.emulator.kv_publisher import KVEventPublisher, external_hash, stored_runs
@@ -105,12 +105,14 @@ class EmulatorInstance:
             jitter=self.config.jitter,
             rng_seed=seeds.getrandbits(64),
             prefix_caching=self.config.enable_prefix_caching,
+            scheduling=self.config.scheduling_policy,
             on_kv_events=self._publish_kv_events if self.kv_events is not None else None,
         )
         self._decode = DecodeDriver(
             self.profile,
             jitter=self.config.jitter,
             rng_seed=seeds.getrandbits(64),
+            scheduling=self.config.scheduling_policy,
             on_preempt=self._preempted,
         )
         await self.lending.start()
@@ -272,7 +274,12 @@ class EmulatorInstance:
         # recomputes the last prompt token, as vLLM's decode side does).
         on_prefill = spec.kind == "prefill" or (spec.kind == "local" and spec.max_tokens == 1)
         output = spec.max_tokens - 1 if spec.kind == "local" else spec.max_tokens
+        if spec.priority and self.config.scheduling_policy != "priority":
+            raise value_error(
+                f"Got priority {spec.priority} but Priority scheduling is not enabled."
+            )
         req = EngineRequest(next(self._index), now, n, 1 if on_prefill else output, "emulated")
+        req.priority = spec.priority
         if on_prefill and self.config.enable_prefix_caching:
             # Only the prefill engine keeps a prefix cache; a plain request's prefill runs in the
             # decode engine's step and computes its whole prompt.

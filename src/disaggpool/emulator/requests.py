@@ -194,6 +194,7 @@ class GenerationRequest:
     kind: Kind
     remote: RemotePrefill | None
     kv_transfer_params: dict[str, Any] | None
+    priority: int = 0  # the body's; the X-Vllm-Priority header overrides it (server)
 
 
 def _common(f: _Fields, served: Sequence[str]) -> tuple[str | None, dict[str, Any] | None]:
@@ -223,7 +224,7 @@ def _common(f: _Fields, served: Sequence[str]) -> tuple[str | None, dict[str, An
     ):
         raise f.invalid("stop", "string_type", "Input should be a valid string")
     kv = f.obj("kv_transfer_params")
-    priority = f.int_("priority", 0)
+    f.int_("priority", 0)  # whether the engine takes it is the instance's call (its policy)
     # Model-level validators (pydantic's `model_validator`), still request-schema time:
     if options is not None and not stream:
         raise vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
@@ -231,8 +232,6 @@ def _common(f: _Fields, served: Sequence[str]) -> tuple[str | None, dict[str, An
     if n is not None and n != 1:
         # vLLM supports n > 1; the emulator generates one sequence per request.
         raise vllm_error("The emulator generates one sequence per request (n must be 1).", "n", n)
-    if priority:
-        raise value_error(f"Got priority {priority} but Priority scheduling is not enabled.")
     return model, kv
 
 
@@ -347,6 +346,7 @@ def _finish(
         kind=kind,
         remote=remote,
         kv_transfer_params=kv,
+        priority=f.int_("priority", 0) or 0,
     )
 
 

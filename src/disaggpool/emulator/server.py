@@ -203,6 +203,14 @@ async def _generate(request: web.Request, endpoint: requests.Endpoint) -> web.St
     body = await _body(request)
     parse = requests.parse_completion if endpoint == "completions" else requests.parse_chat
     spec = parse(body, inst.tokenizer, inst.config.served_names, inst.config.model_len)
+    header = request.headers.get("X-Vllm-Priority")
+    if header is not None:  # vLLM: the header overrides the body's `priority`
+        try:
+            spec = dataclasses.replace(spec, priority=int(header))
+        except ValueError:
+            raise ApiError(
+                400, f"X-Vllm-Priority must be an integer, got {header[:40]!r}.", "priority"
+            ) from None
     request_id = _request_id(request, spec)
     job = inst.submit(spec, request_id)
     out = _Output(inst, job, responses.SHAPES[endpoint], request.app[_META]["fingerprint"])

@@ -6,7 +6,9 @@ the profile), then join the running batch at the next step boundary. Every step 
 per running sequence and takes ``d0 + d1 * B + d2 * K`` seconds (B sequences, K context tokens).
 When the next step's tokens would not fit in the KV capacity, the most recently admitted sequence
 is preempted and later recomputed (its prompt plus generated tokens prefilled on this instance),
-as vLLM's v1 scheduler does.
+as vLLM's v1 scheduler does. Under `scheduling="priority"` (vLLM's `--scheduling-policy
+priority`) waiting requests are ordered by `priority`, then arrival, and the victim is the most
+recently admitted of the highest priority value.
 
 Why analytic: between two changes of the batch, B is constant and K grows by B per step, so the
 time of m steps from step S is ``m * alpha + beta * (m * S + m * (m - 1) / 2)`` with
@@ -33,7 +35,12 @@ import random
 from collections import deque
 
 from disaggpool.core.profile import CalibrationProfile
-from disaggpool.engine.request import EngineRequest
+from disaggpool.engine.request import (
+    EngineRequest,
+    SchedulingPolicy,
+    queue_for,
+    requeue_preempted,
+)
 
 __all__ = ["DecodeEngine"]
 
@@ -61,6 +68,7 @@ class DecodeEngine:
         jitter: float = 0.0,
         rng: random.Random | None = None,
         jitter_per_step: bool = False,
+        scheduling: SchedulingPolicy = "fcfs",
     ) -> None:
         """`jitter_per_step` redraws the jitter factor at every step boundary, and so wakes at
         every one; the default draws once per batch change, which keeps the simulator's analytic
@@ -68,6 +76,7 @@ class DecodeEngine:
         token) and redraws, so that step times vary step by step as a GPU's do and a client
         timing many steps sees the profile's mean rather than one draw held for the batch."""
         self.name = name
+        self.scheduling = scheduling
         self.profile = profile
         self._d0, self._d1, self._d2 = profile.decode.d0, profile.decode.d1, profile.decode.d2
         self.capacity = profile.kv_capacity_tokens
@@ -196,7 +205,7 @@ class DecodeEngine:
             return []
         if prefill_here:
             req.recompute = True
-        self.waiting.append(req)
+        queue_for(self.waiting, req, self.scheduling)
         return self._admit(now)
 
     def abort(self, req: EngineRequest, now: float) -> tuple[bool, list[EngineRequest]]:
@@ -351,7 +360,10 @@ class DecodeEngine:
         while (
             self.batch and self._kv_context(self.step) + self.batch + self._reserved > self.capacity
         ):
-            idx = next(reversed(self.running))
+            if self.scheduling == "fcfs":
+                idx = next(reversed(self.running))
+            else:  # the newest of the highest priority value (vLLM: max of priority, arrival)
+                idx = max(reversed(self.running), key=lambda i: self.running[i].priority)
             victim = self.running.pop(idx)
             self._remove(victim)
             if self._leaving.pop(idx, None) is not None:
@@ -360,7 +372,7 @@ class DecodeEngine:
             victim.recompute = True
             victim.preemptions += 1
             self.preemptions += 1
-            self.waiting.appendleft(victim)
+            requeue_preempted(self.waiting, victim, self.scheduling)
             preempted = True
         return preempted
 

@@ -1,5 +1,8 @@
 """Engine model of one vLLM prefill instance: FCFS chunked prefill with a token budget.
 
+Under `scheduling="priority"` (vLLM's `--scheduling-policy priority`) requests wait in order of
+their `priority`, then arrival; a prompt whose prefill has begun is never overtaken.
+
 Each iteration takes prompt tokens from the head of the queue up to `max_num_batched_tokens`
 (and `max_num_seqs` requests), splitting the last prompt into a chunk when it does not fit, and
 lasts ``p0 + p1 * tokens + p2 * sum((offset + chunk)**2 - offset**2)`` seconds: the quadratic
@@ -28,7 +31,7 @@ from collections import deque
 
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.prefix_cache import PrefixCache
-from disaggpool.engine.request import EngineRequest
+from disaggpool.engine.request import EngineRequest, SchedulingPolicy, queue_for
 
 __all__ = ["PrefillEngine"]
 
@@ -45,8 +48,10 @@ class PrefillEngine:
         rng: random.Random | None = None,
         prefix_caching: bool = False,
         kv_events: bool = False,
+        scheduling: SchedulingPolicy = "fcfs",
     ) -> None:
         self.name = name
+        self.scheduling = scheduling
         self.prefix_caching = prefix_caching
         # With `kv_events`, what vLLM's KV events announce, in order, until the caller drains
         # it: ("stored", request, positions of its blocks stored anew) and ("removed", None,
@@ -83,7 +88,9 @@ class PrefillEngine:
             req.rejected = True
             self.rejected.append(req)
             return
-        self.queue.append(req)
+        # Started prompts are the head of the queue and keep their place (vLLM runs a started
+        # chunked prefill to its end whatever arrives).
+        queue_for(self.queue, req, self.scheduling, start=len(self._offset))
         if self.busy_until is None:
             self._start(now)
 

@@ -3,13 +3,27 @@
 It holds the truth (the real output length) next to what the router was told (the prediction)
 and the timestamps the engines stamp on it. Only `engine` and `sim` touch it; the router sees
 `core.contracts.RequestFeatures`.
+
+`queue_for` is the one rule both engines order their waiting requests by: vLLM's
+`--scheduling-policy fcfs` (arrival order) or `priority` (lower `priority` first, then arrival).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from typing import Literal
 
-__all__ = ["EngineRequest"]
+__all__ = [
+    "SCHEDULING_POLICIES",
+    "EngineRequest",
+    "SchedulingPolicy",
+    "queue_for",
+    "requeue_preempted",
+]
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -39,6 +53,7 @@ class EngineRequest:
     blocks: tuple[int, ...] = ()  # prompt block ids, when the trace has them (prefix caching)
     block_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens its prefill instance found in its prefix cache
+    priority: int = 0  # vLLM's request priority (lower first; only under priority scheduling)
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -54,3 +69,32 @@ class EngineRequest:
         if self.output_tokens <= 1:
             return 0.0
         return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+def queue_for(
+    queue: deque[EngineRequest], req: EngineRequest, policy: SchedulingPolicy, *, start: int = 0
+) -> None:
+    """Put `req` into a waiting `queue` whose first `start` entries have begun (they keep their
+    place): at the back under ``fcfs``; under ``priority`` after every request of equal or lower
+    `priority`, as it arrived last."""
+    if policy == "fcfs":
+        queue.append(req)
+        return
+    i = len(queue)
+    while i > start and queue[i - 1].priority > req.priority:
+        i -= 1
+    queue.insert(i, req)
+
+
+def requeue_preempted(
+    queue: deque[EngineRequest], req: EngineRequest, policy: SchedulingPolicy
+) -> None:
+    """Put a preempted sequence back at the head of `queue` (it arrived before those waiting);
+    under ``priority`` behind those of a lower `priority`."""
+    if policy == "fcfs":
+        queue.appendleft(req)
+        return
+    i = 0
+    while i < len(queue) and queue[i].priority < req.priority:
+        i += 1
+    queue.insert(i, req)

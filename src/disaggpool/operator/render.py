@@ -123,6 +123,8 @@ def _vllm_deployment(
             "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
         }
         args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    if spec.router.priority_scheduling:  # the router's priorities are refused under fcfs
+        args += ["--scheduling-policy", "priority"]
     args += [*e.extra_args, *variant.extra_args]
     env: list[dict[str, Any]] = [
         # P copies this host verbatim into kv_transfer_params.remote_host; D dials it, so it must be
@@ -256,6 +258,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "decode_binding": r.decode_binding,
         "pd_decider": r.pd_decider,
         "local_prefill_below": r.local_prefill_below,
+        "priority_scheduling": r.priority_scheduling,
         "prefix_index": r.prefix_index,
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         "pool": {

@@ -54,6 +54,7 @@ MANAGED_VLLM_FLAGS = (
     "--port",
     "--kv-transfer-config",
     "--kv-events-config",
+    "--scheduling-policy",
     "--tensor-parallel-size",
     "--served-model-name",
 )
@@ -165,6 +166,7 @@ class RouterSpec:
     local_prefill_below: int = 0
     prefix_index: bool = False
     kv_events: bool = False
+    priority_scheduling: bool = False
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -382,12 +384,15 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         prefix_index=rt.boolean("prefixIndex", False),
         kv_events=rt.boolean("kvEvents", False),
+        priority_scheduling=rt.boolean("priorityScheduling", False),
         resources=rt.section("resources").data,
     )
     if router.decode_binding not in ("arrival", "late"):
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
     if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
         rt.problem("pdDecider", f"needs a calibrated policy, not {router.policy!r}")
+    if router.priority_scheduling and router.policy not in CALIBRATED_FAMILY:
+        rt.problem("priorityScheduling", f"needs a calibrated policy, not {router.policy!r}")
     if router.kv_events and not router.prefix_index:
         rt.problem("kvEvents", "feeds the prefix index: needs prefixIndex: true")
     if router.policy in NEEDS_PREFIX_INDEX and not router.prefix_index:

@@ -150,6 +150,7 @@ _TOP = {
     "kv_events",
     "pd_decider",
     "local_prefill_below",
+    "priority_scheduling",
 }
 
 
@@ -214,10 +215,16 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
         raise rd.fail("pd_decider", f"prices in seconds: needs a calibrated policy, not {policy!r}")
+    priority = rd.boolean(top.get("priority_scheduling", False), "priority_scheduling")
+    if priority and policy not in CALIBRATED_FAMILY:
+        raise rd.fail(
+            "priority_scheduling", f"needs a predicted TTFT: a calibrated policy, not {policy!r}"
+        )
     below = top.get("local_prefill_below", 0)
     kwargs["options"] = PolicyOptions(
         pd_decider=pd_decider,
         local_prefill_below=rd.integer(below, "local_prefill_below", minimum=0) if below else 0,
+        priority_scheduling=priority,
     )
     return SidecarConfig(
         policy=policy,

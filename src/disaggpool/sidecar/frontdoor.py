@@ -12,6 +12,9 @@ pair and then follows `docs/vllm-protocol.md` §2.1 to the letter:
 2. the decode leg: the client's body unchanged except for the prefill response's
    ``kv_transfer_params``, passed through untouched; its bytes stream back to the client.
 
+With `priority_scheduling`, both legs carry ``priority``: the client's own (0 when absent) plus
+the decision's (`RouteDecision.priority`: 1 for a request predicted to miss its TTFT anyway).
+
 Failures, so that every request ends in a response or an error and is counted:
 * the prefill leg fails before answering (transport error, or a status outside 400-451) -> the
   pod is marked unhealthy and the request is routed again without it, up to
@@ -172,6 +175,9 @@ class FrontDoor:
             raise BadRequest("must be a boolean", "stream")
         if "kv_transfer_params" in body:
             raise BadRequest("is set by the router, not by clients", "kv_transfer_params")
+        priority = body.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise BadRequest(f"must be an integer, got {priority!r}", "priority")
         slo = request.headers.get("X-SLO-Class") or body.pop("slo_class", None) or ""
         if not isinstance(slo, str):
             raise BadRequest("must be a string", "slo_class")
@@ -231,6 +237,10 @@ class FrontDoor:
             )
         except ServiceError as exc:
             return self._refused(exc)
+        if self.config.options.priority_scheduling:
+            # Both legs carry it: the prefill pod queues by it, and so does the decode pod
+            # (admission, preemption). A client's own priority stays, the router's is added.
+            body["priority"] = body.get("priority", 0) + routed.decision.priority
         if routed.prefill is None:  # the P/D decider's local path: the decode pod prefills
             body.pop("kv_transfer_params", None)
             return await self._decode(request, endpoint, body, routed, started)

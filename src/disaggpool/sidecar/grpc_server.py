@@ -211,6 +211,7 @@ def _response(routed: Routed) -> pb.RouteResponse:
         predicted_output_tokens=routed.predicted_output_tokens,
         guarded=d.guarded,
         fallback=d.fallback or "",
+        priority=d.priority,
     )
     if routed.prefill is not None:
         resp.prefill.CopyFrom(pb.Endpoint(name=routed.prefill.name, url=routed.prefill.url))

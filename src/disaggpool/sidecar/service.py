@@ -199,6 +199,7 @@ class RoutingService:
                 slo,
                 now,
                 cached_tokens=cached,
+                priority=decision.priority,
             )
         )
         if p is not None and blocks:

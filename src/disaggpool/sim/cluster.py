@@ -27,7 +27,7 @@ from disaggpool.core.predictor import OutputPredictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
-from disaggpool.engine.request import EngineRequest
+from disaggpool.engine.request import EngineRequest, SchedulingPolicy
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.router import RouterReplica
 
@@ -99,9 +99,12 @@ class Simulation:
         jitter: float = 0.03,
         router: RouterOptions = RouterOptions(),
         prefix_caching: bool = False,
+        scheduling: SchedulingPolicy = "fcfs",
     ) -> None:
         """`policies`: one policy object per router replica (`router.replicas` of them);
-        `prefix_caching`: the prefill engines cache prompt blocks (requests with `blocks`)."""
+        `prefix_caching`: the prefill engines cache prompt blocks (requests with `blocks`);
+        `scheduling`: the engines' vLLM scheduling policy (``priority`` honours
+        `RouteDecision.priority`)."""
         if len(policies) != router.replicas:
             raise ValueError(f"{router.replicas} router replicas need as many policy objects")
         self.slo_classes = dict(slo_classes)
@@ -123,11 +126,14 @@ class Simulation:
                         jitter=jitter,
                         rng=rng,
                         prefix_caching=prefix_caching,
+                        scheduling=scheduling,
                     )
                 )
             elif spec.role == "decode":
                 self.decode.append(
-                    DecodeEngine(spec.name, spec.true_profile, jitter=jitter, rng=rng)
+                    DecodeEngine(
+                        spec.name, spec.true_profile, jitter=jitter, rng=rng, scheduling=scheduling
+                    )
                 )
             else:
                 raise ValueError(
@@ -229,6 +235,7 @@ class Simulation:
         if decision.shed:  # refused at the door: it counts as missed, it takes no capacity
             req.shed = True
             return
+        req.priority = decision.priority
         if decision.prefill is None:  # the P/D decider's local path: the decode engine prefills
             req.decode_instance = decision.decode
             router.routed(req, None, decision.decode, slo, now)

@@ -20,7 +20,11 @@ every sweep point or case at its own such rate. The experiments (`EXPERIMENTS`, 
   more in speed (``"hardware_spread"``);
 * ``gpu_count`` (both setups): 4..8 GPUs (paper: 3..8) at the rate round-robin carries at 0.85 on
   7 GPUs (``"gpus"``). llama8b: each count at its best split for that rate (of the three nearest
-  the main pool's ratio, by a round-robin probe); paper: prefill = round(G/3), the study's ratio.
+  the main pool's ratio, by a round-robin probe); paper: prefill = round(G/3), the study's ratio;
+* ``constant_error`` (both setups; paper at the tight SLO): our scorer (with and without the P/D
+  decider) and the study's weighted-sum form fed the setup's nominal profile with every decode
+  constant off by a factor (``"error_factor"``, `paper_setup.ERROR_FACTORS`; 1/7.4 is the study's
+  own error), on the main traces at their operating points; rows' ``policy`` names the scorer.
 
 The document `run_paper` returns (and ``--json`` writes):
 
@@ -28,6 +32,7 @@ The document `run_paper` returns (and ``--json`` writes):
 * ``experiments``: experiment -> list of rows (`sim.runner.execute`'s row plus ``setup``, ``slo``
   for the paper setup, the experiment's own key above, and ``rate_rps`` where one rate applies);
   each row's ``policy`` is a label of `paper_setup.LABELS` (``calibrated`` = the P/D decider on,
+  ``constant_error`` rows: a scorer of `paper_setup.ERROR_ARMS`;
   as the product runs it), its ``options``, ``router`` and ``predictor`` say what ran;
 * ``findings``: `report.findings`, whose keys its docstring documents.
 
@@ -50,6 +55,7 @@ from disaggpool.sim.paper_setup import (
     SEARCH_POLICY,
     SWEEP_LABELS,
     Setup,
+    constant_error_runs,
     llama8b_setup,
     paper_run,
     placed,
@@ -63,7 +69,7 @@ from disaggpool.sim.runner import RunSpec, run_all
 
 __all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_paper"]
 
-LLAMA8B_LABELS = BASE_LABELS
+LLAMA8B_LABELS = (*BASE_LABELS, "calibrated+priority")
 SCARCITY_LABELS = ("round_robin", "random", "calibrated_greedy", "calibrated")
 SPREAD_LABELS = ("least_loaded", "uncalibrated", "calibrated")
 
@@ -76,6 +82,7 @@ EXPERIMENTS = (
     "scarcity",
     "hardware_spread",
     "gpu_count",
+    "constant_error",
 )
 """The experiments, in the order of the output document."""
 
@@ -158,6 +165,7 @@ class _Experiments:
             "scarcity": self._scarcity(),
             "hardware_spread": self._spread(rates["hardware_spread"]),
             "gpu_count": self._gpu_count(rates["gpu_count"][0], workers=workers),
+            "constant_error": constant_error_runs(self.setup, self.cfg, self.cfg.error_traces),
         }
 
     def _run(

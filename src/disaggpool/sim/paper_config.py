@@ -11,7 +11,7 @@ What ``--quick`` skips (`PaperConfig.quick`): 2-minute trace windows instead of 
 and 6 (paper), one seed instead of three, 5 bisection steps instead of 8, llama8b's placement
 search only over the splits within one prefill instance of the analytic best (instead of every
 split), sweeps of at most 400 requests on a subset of their points, GPU counts 5-7 only, and the
-paper setup's ablation on trace 0 only.
+paper setup's ablation and both setups' constant-error experiment on trace 0 only.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class PaperConfig:
     gpu_counts: tuple[int, ...] = (4, 5, 6, 7, 8)
     sweep_requests: int = 4000
     hardware_spread: tuple[float, ...] = (0.05, 0.15, 0.3)
+    error_traces: int = 3  # constant_error (both setups) runs on the first this many traces
     # --- the paper setup
     study: StudyConfig = dataclasses.field(default_factory=StudyConfig)
 
@@ -92,6 +93,7 @@ class PaperConfig:
             scarcity_loads=(1.0, 1.5, 3.0),
             gpu_counts=(5, 6, 7),
             sweep_requests=400,
+            error_traces=1,
             bisection_steps=5,
             study=StudyConfig.quick(),
         )

@@ -12,8 +12,11 @@ Shared by both setups (``llama8b`` here, ``paper`` in `sim.paper_study`):
   switches, ``length+local<512`` (the length heuristic with a fixed 512-token local-prefill
   threshold: the simplest form of llm-d's and Dynamo's P/D decider, a peer-style baseline),
   ``calibrated`` and ``uncalibrated`` with the product's default switches (the P/D decider on;
-  `core.policies.registry.default_options`), the study's weighted-sum scorer with calibrated or
-  datasheet constants. `BASELINES` are "the baselines" the findings compare against.
+  `core.policies.registry.default_options`), ``calibrated+priority`` (the same with
+  `priority_scheduling`: engines scheduling by priority, requests predicted late yield), the
+  study's weighted-sum scorer with calibrated or datasheet constants. `BASELINES` are "the
+  baselines" the findings compare against.
+* `constant_error_runs`: the scorers of `ERROR_ARMS` fed constants off by `ERROR_FACTORS`.
 * `solve_searches`: many setups' operating-point searches in one lockstep search.
 
 The ``llama8b`` setup (`llama8b_setup`, `placement_searches`, `placed`), every constant chosen
@@ -46,7 +49,7 @@ from typing import Any
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import PolicyOptions, default_options
-from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.profile import CalibrationProfile, DecodeModel
 from disaggpool.core.stats import mean_or_nan
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
@@ -60,11 +63,15 @@ from disaggpool.sim.runner import RunSpec
 
 __all__ = [
     "BASELINES",
+    "ERROR_ARMS",
+    "ERROR_FACTORS",
     "LABELS",
     "SEARCH_POLICY",
     "SWEEP_LABELS",
     "Arm",
     "Setup",
+    "constant_error_runs",
+    "decode_scaled",
     "llama8b_setup",
     "make_setup",
     "paper_run",
@@ -100,12 +107,27 @@ LABELS: dict[str, Arm] = {
     "p2c": Arm("p2c"),
     "length+local<512": Arm("length", PolicyOptions(local_prefill_below=512)),
     "calibrated": _product("calibrated"),
+    "calibrated+priority": Arm(
+        "calibrated",
+        dataclasses.replace(default_options("calibrated"), priority_scheduling=True),
+    ),
     "calibrated_greedy": _product("calibrated_greedy"),
     "uncalibrated": _product("uncalibrated"),
     "study_weighted": Arm("study_weighted"),
     "study_weighted_datasheet": Arm("study_weighted_datasheet"),
 }
 """Row label -> policy and switches (see the module docstring)."""
+
+ERROR_FACTORS = (0.1351, 0.5, 1.0, 2.0, 7.4)
+"""The `constant_error` experiment's uniform errors of the decode constants (factor x every one
+of d0, d1, d2): 1/7.4 is the study's own, whose simulator-derived decode step was 7.4x too small."""
+
+ERROR_ARMS: dict[str, Arm] = {
+    "seconds": Arm("uncalibrated", default_options("uncalibrated")),
+    "seconds_no_pd": Arm("uncalibrated", PolicyOptions()),
+    "weighted_sum": Arm("study_weighted_datasheet"),
+}
+"""The scorers fed the erroneous constants: ours with and without the P/D decider, the study's."""
 
 BASELINES = ("round_robin", "least_loaded", "length", "p2c")
 """"The baselines" of the findings (random is run and reported, but not counted among them)."""
@@ -348,3 +370,42 @@ def make_setup(
         progress=progress,
     )
     return placed(setup, cfg, found)
+
+
+def decode_scaled(profile: CalibrationProfile, factor: float) -> CalibrationProfile:
+    """`profile` with every decode constant `factor` times its value: a uniform error."""
+    d = profile.decode
+    return dataclasses.replace(
+        profile,
+        name=f"{profile.name}-decode-x{factor:g}",
+        decode=DecodeModel(d.d0 * factor, d.d1 * factor, d.d2 * factor),
+    )
+
+
+def constant_error_runs(setup: Setup, cfg: PaperConfig, traces: int) -> list[RunSpec]:
+    """The `constant_error` experiment of one setup: every scorer of `ERROR_ARMS` scoring every
+    pool with its nominal profile, decode constants off by each of `ERROR_FACTORS` (1.0: right
+    on average, blind only to the instances' spread), on the first `traces` traces at their
+    operating points. Rows carry ``"error_factor"``; their ``policy`` is the scorer's name."""
+    return [
+        paper_run(
+            dataclasses.replace(setup, datasheet=decode_scaled(setup.nominal, factor)),
+            "constant_error",
+            f"mixed-{k}",
+            workload.rescale(t, rate),
+            h,
+            *setup.split,
+            scorer,
+            seed,
+            arm=arm,
+            error_factor=factor,
+            rate_rps=round(rate, 4),
+        )
+        for k, (t, h, rate) in enumerate(
+            zip(setup.traces, setup.histories, setup.rates, strict=True)
+        )
+        if k < traces
+        for factor in ERROR_FACTORS
+        for seed in cfg.seeds
+        for scorer, arm in ERROR_ARMS.items()
+    ]

@@ -57,6 +57,7 @@ from disaggpool.sim.paper_setup import (
     SWEEP_LABELS,
     Arm,
     Setup,
+    constant_error_runs,
     paper_run,
     rate_search,
 )
@@ -94,7 +95,7 @@ BASE_LABELS = (
     "calibrated",
     "uncalibrated",
 )
-MAIN_LABELS = (*BASE_LABELS, "study_weighted", "study_weighted_datasheet")
+MAIN_LABELS = (*BASE_LABELS, "calibrated+priority", "study_weighted", "study_weighted_datasheet")
 ROBUSTNESS_LABELS = BASE_LABELS
 GPU_COUNT_LABELS = SWEEP_LABELS
 
@@ -123,6 +124,7 @@ def ablation_variants(scrape_interval_s: float) -> tuple[Variant, ...]:
         Variant("calibrated", cal),
         Variant("no_pd_decider", Arm("calibrated", no_pd)),
         Variant("no_guard", LABELS["calibrated_greedy"]),
+        Variant("priority_scheduling", LABELS["calibrated+priority"]),
         Variant(
             "late_binding",
             cal,
@@ -145,6 +147,8 @@ LEVERS: dict[str, tuple[str, str]] = {
     # What the product's levers earn: all on minus the lever off.
     "pd_decider": ("calibrated", "no_pd_decider"),
     "scarcity_guard": ("calibrated", "no_guard"),
+    # Off by default (the engines must run --scheduling-policy priority).
+    "priority_scheduling": ("priority_scheduling", "calibrated"),
     "calibration": ("calibrated", "datasheet_constants"),
     # Calibration for each scorer form without the decider (the study's form has none).
     "calibration_without_pd": ("no_pd_decider", "datasheet_no_pd"),
@@ -319,6 +323,7 @@ class Study:
             "ablation": self._ablation(),
             "robustness": self._robustness(),
             "gpu_count": self._gpu_count(),
+            "constant_error": constant_error_runs(self.tight, self.cfg, self.cfg.error_traces),
         }
 
     def _main(self) -> list[RunSpec]:

@@ -32,12 +32,19 @@ _PALETTE = (
     "#9467bd",  # p2c
     "#bcbd22",  # length+local<512
     "#d62728",  # calibrated
+    "#ff9896",  # calibrated+priority
     "#8c564b",  # calibrated_greedy
     "#e377c2",  # uncalibrated
     "#17becf",  # study_weighted
     "#000000",  # study_weighted_datasheet
 )
 _COLOURS = dict(zip(LABELS, _PALETTE, strict=True))
+# The constant-error experiment's scorers, in the colours of the labels they stand for.
+_COLOURS |= {
+    "seconds": _COLOURS["uncalibrated"],
+    "seconds_no_pd": _COLOURS["calibrated_greedy"],
+    "weighted_sum": _COLOURS["study_weighted_datasheet"],
+}
 
 _SWEEPS = (
     ("pool_size", "decode_pool", "decode instances", "Goodput vs decode-pool size", True),
@@ -93,6 +100,18 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
                     directory / f"{name}.png",
                 )
             )
+    if exps.get("constant_error"):
+        written.append(
+            _sweep(
+                report.groups(exps["constant_error"]),
+                "error_factor",
+                "decode constants x factor (log scale)",
+                "Goodput when every decode constant is off by a factor",
+                False,
+                directory / "constant_error.png",
+                log_x=True,
+            )
+        )
     if exps["gpu_count"]:
         per_setup: dict[str, list[dict[str, Any]]] = {}
         for r in exps["gpu_count"]:
@@ -200,6 +219,8 @@ def _sweep(
     title: str,
     integer: bool,
     path: Path,
+    *,
+    log_x: bool = False,
 ) -> Path:
     import matplotlib.pyplot as plt
 
@@ -221,6 +242,10 @@ def _sweep(
             )
         if integer:
             ax.set_xticks(sorted(xs_all))
+        if log_x:
+            ax.set_xscale("log")
+            ax.minorticks_off()  # their labels would crowd the factors' own
+            ax.set_xticks(sorted(xs_all), [f"{x:g}" for x in sorted(xs_all)])
         ax.set_xlabel(xlabel)
         ax.set_ylabel("goodput (band = std over seeds)")
         ax.set_title(setup if len(panels) > 1 else title)

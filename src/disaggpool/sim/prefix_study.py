@@ -18,8 +18,9 @@ cache size, run at its own operating point, with every policy and seed.
 * Load: the rate at which the best cache-blind baseline (`least_loaded` or `length`, whichever
   carries more) attains 0.85 goodput, by the one operating-point search.
 * Policies: cache-blind `least_loaded`, `length` and `calibrated_blind` (our calibrated policy
-  with a router that keeps no prefix index); cache-aware `cache_aware` (vLLM's router) and
-  `dynamo_kv` (Dynamo's KV router) from `core.policies.prefix_baselines`; and `calibrated`, whose
+  with a router that keeps no prefix index); cache-aware `cache_aware` (vLLM's router),
+  `dynamo_kv` (Dynamo's KV router) and `llmd_weighted` (llm-d's weighted prefix, KV and queue
+  scorers) from `core.policies.prefix_baselines`; and `calibrated`, whose
   router keeps the approximate prefix index and whose cost model credits each instance's cached
   prefix in seconds, with its P/D decider on (its default) and off (`calibrated_no_pd`). The
   engines cache prompt blocks in every run: only what the router knows differs.
@@ -67,6 +68,7 @@ POLICIES: dict[str, tuple[str, bool, bool]] = {
     "calibrated_blind": ("calibrated", False, True),
     "cache_aware": ("cache_aware", True, False),
     "dynamo_kv": ("dynamo_kv", True, False),
+    "llmd_weighted": ("llmd_weighted", True, False),
     "calibrated": ("calibrated", True, True),
     "calibrated_no_pd": ("calibrated", True, False),
 }

@@ -32,6 +32,8 @@ The keys of `findings` (only those whose experiment has rows):
 * ``pool_size_gain_points``, ``heterogeneity_gain_points``: sweep point -> calibrated minus the
   best baseline run there (llama8b).
 * ``scarcity``: the scarcity sweep table (load -> label -> mean goodput) (llama8b).
+* ``constant_error``: group -> scorer -> ``means`` (error factor -> mean goodput) and
+  ``loss_points`` (error factor -> its mean minus the mean at factor 1.0).
 """
 
 from __future__ import annotations
@@ -265,6 +267,26 @@ def findings(experiments: dict[str, list[Row]]) -> Row:
         )
     if experiments.get("scarcity"):
         out["scarcity"] = sweep_table(experiments["scarcity"], "load")
+    if experiments.get("constant_error"):
+        out["constant_error"] = {
+            g: _constant_error(rows) for g, rows in groups(experiments["constant_error"]).items()
+        }
+    return out
+
+
+def _constant_error(rows: Sequence[Row]) -> Row:
+    """Per scorer: mean goodput per error factor, and what each factor loses against 1.0."""
+    out: Row = {}
+    for (scorer,), g in _by(rows, "policy").items():
+        means = {
+            str(f): round(mean_or_nan([r["goodput"] for r in fg]), 4)
+            for (f,), fg in sorted(_by(g, "error_factor").items())
+        }
+        ref = means.get("1.0")
+        out[scorer] = {
+            "means": means,
+            "loss_points": {f: _points(m, ref) for f, m in means.items()} if ref else {},
+        }
     return out
 
 
@@ -333,6 +355,13 @@ def tables(doc: Row) -> str:
     for name, key, title in sweeps:
         if exps[name]:
             buf.write(render(f"{name} [llama8b]: {title}", sweep_table(exps[name], key)))
+    for g, rows in groups(exps.get("constant_error", [])).items():
+        buf.write(
+            render(
+                f"constant_error [{g}]: goodput vs a uniform error of the decode constants",
+                sweep_table(rows, "error_factor"),
+            )
+        )
     for setup, rows in _by(exps["gpu_count"], "setup").items():
         buf.write(
             render(
@@ -342,7 +371,7 @@ def tables(doc: Row) -> str:
         )
     buf.write("findings:\n")
     for k, v in doc["findings"].items():
-        if k == "scarcity":
+        if k in ("scarcity", "constant_error"):
             continue
         if isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()):
             buf.write(f"  {k}:\n")

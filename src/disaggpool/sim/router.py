@@ -67,7 +67,7 @@ class RouterReplica:
         instance holds of its prompt (`prefix_hits`), booked as work it need not do."""
         entry = Entry(
             req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now,
-            cached_tokens=cached_tokens,
+            cached_tokens=cached_tokens, priority=req.priority,
         )  # fmt: skip
         if self.index is not None and prefill is not None and req.blocks:
             n = req.prompt_tokens

@@ -71,6 +71,8 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         jitter=spec.jitter,
         router=spec.router,
         prefix_caching=spec.prefix_caching,
+        # The switch means both: the engines schedule by priority, the policy sets them.
+        scheduling="priority" if spec.options.priority_scheduling else "fcfs",
     )
     outcome = sim.run(spec.trace)
     summary = summarize(outcome, classes)

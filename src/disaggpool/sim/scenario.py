@@ -55,10 +55,11 @@ class Scenario:
     prefix_caching: bool = True
 
     def _options(self, policy: str) -> PolicyOptions:
-        """The file's switches as they apply to `policy` (`pd_decider` needs a cost model)."""
+        """The file's switches as they apply to `policy` (`pd_decider` and `priority_scheduling`
+        need a cost model: a policy without one sets no priorities, as if the engines ran FCFS)."""
         if policy in CALIBRATED_FAMILY:
             return self.options
-        return dataclasses.replace(self.options, pd_decider=False)
+        return dataclasses.replace(self.options, pd_decider=False, priority_scheduling=False)
 
     def specs(self) -> list[RunSpec]:
         return [
@@ -173,6 +174,7 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             "pd_decider",
             "local_prefill_below",
             "prefix_index",
+            "priority_scheduling",
         },
     )
     binding = r.get("decode_binding", "arrival")
@@ -192,6 +194,9 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             pd_decider=rd.boolean(r.get("pd_decider", True), "router.pd_decider"),
             local_prefill_below=(
                 rd.integer(below, "router.local_prefill_below", minimum=0) if below else 0
+            ),
+            priority_scheduling=rd.boolean(
+                r.get("priority_scheduling", False), "router.priority_scheduling"
             ),
         ),
     )

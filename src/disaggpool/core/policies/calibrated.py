@@ -88,10 +88,12 @@ class CalibratedPolicy:
         guard_slack: float | None = 0.5,
         profiles: Mapping[str, CalibrationProfile] | None = None,
         pd_decider: bool = False,
+        priority_scheduling: bool = False,
     ) -> None:
         self.name = name
         self.guard_slack = guard_slack
         self.pd_decider = pd_decider
+        self.priority_scheduling = priority_scheduling
         self._override = profiles
         self._fallback = LeastLoaded()
         self._weights: dict[int, tuple[DecodeModel, float]] = {}  # guard weights (_weight)
@@ -248,6 +250,9 @@ class CalibratedPolicy:
             guarded=guarded,
             fallback="median-profile" if fallback else None,
             shed=slo.sheddable and not feasible,
+            # Late anyway: on engines scheduling by priority it lets the others pass. Its own
+            # estimate left out the work of earlier late requests, which it queues behind.
+            priority=1 if self.priority_scheduling and chosen.ttft_s > slo.ttft_s else 0,
         )
 
     def _weight(self, model: DecodeModel) -> float:

@@ -1,6 +1,6 @@
 """The peers' prefix-cache-aware rules, written from their sources, as baselines.
 
-Both read what the router believes each prefill instance has cached from
+All three read what the router believes each prefill instance has cached from
 `RequestFeatures.prefix_hits` (the router's `core.prefix_index`, the same index our calibrated
 policy reads, so the comparison is of the rules, not of the indexes), and choose the decode
 instance as their P/D deployments do: by load alone.
@@ -21,8 +21,16 @@ instance as their P/D deployments do: by load alone.
   (`router-disaggregated-serving.md`) scores prefill workers without decode blocks and decode
   workers without the cache credit and prefill tokens, which is what is done here: prefill by
   uncached prefill blocks, decode by KV blocks in use.
+* `llmd_weighted`: llm-d's endpoint picker (`llm-d/llm-d-inference-scheduler`) as its precise
+  prefix-cache sample configures it (`deploy/config/epp-precise-prefix-cache-config.yaml`):
+  scorers in [0, 1] summed with weights, the highest sum wins, ties at random
+  (`max-score-picker`). Prefix 2.0 (leading cached blocks / prompt blocks, the score since its
+  PR #1107), KV-cache utilisation 1.0 (1 - the fraction in use), queue 1.0 (waiting requests,
+  min-max normalised across the instances, all 1.0 when equal). Decode instances by the two load
+  scorers alone (nothing is indexed there); every request is disaggregated (its P/D decider's
+  default threshold, 0, always sends the prompt to the prefill pool).
 
-Both are cache-aware but count blocks and requests; neither knows how fast an instance is.
+All three are cache-aware but count blocks and requests; none knows how fast an instance is.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFea
 from disaggpool.core.policies.base import healthy, with_predictions
 from disaggpool.core.policies.baselines import _Baseline, argmin
 
-__all__ = ["CacheAware", "DynamoKv"]
+__all__ = ["CacheAware", "DynamoKv", "LlmdWeighted"]
 
 
 class _PrefixBaseline(_Baseline):
@@ -110,3 +118,45 @@ class DynamoKv(_PrefixBaseline):
             return (i.kv_tokens_used + i.queued_tokens) / block
 
         return argmin(instances, blocks, rng)
+
+
+class LlmdWeighted(_PrefixBaseline):
+    """llm-d's weighted scorers and max-score picker (module docstring)."""
+
+    name = "llmd_weighted"
+
+    def __init__(self, prefix: float = 2.0, kv_utilisation: float = 1.0, queue: float = 1.0):
+        self.weights = (prefix, kv_utilisation, queue)
+
+    def _scores(
+        self, instances: Sequence[InstanceSnapshot], prefix: Sequence[float]
+    ) -> list[float]:
+        w_prefix, w_kv, w_queue = self.weights
+        waiting = [i.waiting for i in instances]
+        high, low = max(waiting), min(waiting)
+        scores = []
+        for inst, hit in zip(instances, prefix, strict=True):
+            capacity = inst.profile.kv_capacity_tokens if inst.profile is not None else 0
+            used = min(1.0, inst.kv_tokens_used / capacity) if capacity > 0 else 0.0
+            queue = 1.0 if high == low else (high - inst.waiting) / (high - low)
+            scores.append(w_prefix * hit + w_kv * (1.0 - used) + w_queue * queue)
+        return scores
+
+    def _best(
+        self, instances: Sequence[InstanceSnapshot], prefix: Sequence[float], rng: random.Random
+    ) -> InstanceSnapshot:
+        scores = self._scores(instances, prefix)
+        top = max(scores)
+        return rng.choice([i for i, s in zip(instances, scores, strict=True) if s == top])
+
+    def _prefill(
+        self, req: RequestFeatures, instances: Sequence[InstanceSnapshot], rng: random.Random
+    ) -> InstanceSnapshot:
+        n = max(1, req.prompt_tokens)
+        hits = req.prefix_hits
+        return self._best(instances, [min(1.0, hits.get(i.name, 0) / n) for i in instances], rng)
+
+    def _pick(
+        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    ) -> InstanceSnapshot:
+        return self._best(instances, [0.0] * len(instances), rng)

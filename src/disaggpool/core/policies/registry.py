@@ -21,7 +21,7 @@ from disaggpool.core.policies.baselines import (
 )
 from disaggpool.core.policies.calibrated import CalibratedPolicy
 from disaggpool.core.policies.deciders import ThresholdDecider
-from disaggpool.core.policies.prefix_baselines import CacheAware, DynamoKv
+from disaggpool.core.policies.prefix_baselines import CacheAware, DynamoKv, LlmdWeighted
 from disaggpool.core.policies.study import StudyWeightedPolicy
 from disaggpool.core.profile import CalibrationProfile
 
@@ -47,10 +47,15 @@ class PolicyOptions:
     instance instead of the prefill pool, and take that path when it breaks fewer SLOs.
     `local_prefill_below` (any policy): prompts shorter than this many tokens always skip the
     prefill pool (a fixed-threshold decider, as llm-d's and Dynamo's simplest form); 0 is off.
+    `priority_scheduling` (calibrated policies only): the engines run vLLM's
+    `--scheduling-policy priority`, and the policy asks for priority 1 for every request it
+    predicts misses its TTFT target anyway, so the ones that can still make theirs pass it
+    (`RouteDecision.priority`).
     """
 
     pd_decider: bool = False
     local_prefill_below: int = 0
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.local_prefill_below < 0:
@@ -72,12 +77,20 @@ _FACTORIES: dict[str, Factory] = {
     "least_loaded": lambda _, o: LeastLoaded(),
     "length": lambda _, o: LengthHeuristic(),
     "p2c": lambda _, o: PowerOfTwo(),
-    "calibrated": lambda _, o: CalibratedPolicy(pd_decider=o.pd_decider),
+    "calibrated": lambda _, o: CalibratedPolicy(
+        pd_decider=o.pd_decider, priority_scheduling=o.priority_scheduling
+    ),
     "calibrated_greedy": lambda _, o: CalibratedPolicy(
-        "calibrated_greedy", guard_slack=None, pd_decider=o.pd_decider
+        "calibrated_greedy",
+        guard_slack=None,
+        pd_decider=o.pd_decider,
+        priority_scheduling=o.priority_scheduling,
     ),
     "uncalibrated": lambda ds, o: CalibratedPolicy(
-        "uncalibrated", profiles=_require(ds), pd_decider=o.pd_decider
+        "uncalibrated",
+        profiles=_require(ds),
+        pd_decider=o.pd_decider,
+        priority_scheduling=o.priority_scheduling,
     ),
     "study_weighted": lambda _, o: StudyWeightedPolicy(),
     "study_weighted_datasheet": lambda ds, o: StudyWeightedPolicy(
@@ -85,9 +98,10 @@ _FACTORIES: dict[str, Factory] = {
     ),
     "cache_aware": lambda _, o: CacheAware(),
     "dynamo_kv": lambda _, o: DynamoKv(),
+    "llmd_weighted": lambda _, o: LlmdWeighted(),
 }
 
-#: The policies `PolicyOptions.pd_decider` applies to.
+#: The policies `PolicyOptions.pd_decider` and `.priority_scheduling` apply to.
 CALIBRATED_FAMILY: frozenset[str] = frozenset({"calibrated", "calibrated_greedy", "uncalibrated"})
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
@@ -99,7 +113,7 @@ NEEDS_DATASHEET: frozenset[str] = frozenset({"uncalibrated", "study_weighted_dat
 #: Policies that are only prefix-cache rules: without a router that keeps a prefix index (the
 #: simulator's `RouterOptions.prefix_index`, the sidecar's `prefix_index`) they reduce to load
 #: counting, so every router refuses them with the index off.
-NEEDS_PREFIX_INDEX: frozenset[str] = frozenset({"cache_aware", "dynamo_kv"})
+NEEDS_PREFIX_INDEX: frozenset[str] = frozenset({"cache_aware", "dynamo_kv", "llmd_weighted"})
 
 #: What a deployed router (the sidecar, the CRD) can run.
 ROUTER_POLICIES: tuple[str, ...] = tuple(p for p in _FACTORIES if p not in NEEDS_DATASHEET)
@@ -125,6 +139,10 @@ def make_policy(
         raise KeyError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None
     if options.pd_decider and name not in CALIBRATED_FAMILY:
         raise ValueError(f"pd_decider prices in seconds: only for {sorted(CALIBRATED_FAMILY)}")
+    if options.priority_scheduling and name not in CALIBRATED_FAMILY:
+        raise ValueError(
+            f"priority_scheduling needs a predicted TTFT: only for {sorted(CALIBRATED_FAMILY)}"
+        )
     policy = factory(datasheet, options)
     if options.local_prefill_below:
         return ThresholdDecider(policy, options.local_prefill_below)

@@ -51,7 +51,7 @@ class Endpoint(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("request_id", "prefill", "decode", "policy", "slo_class", "predicted_output_tokens", "predicted_ttft_s", "predicted_tpot_s", "slo_feasible", "guarded", "fallback")
+    __slots__ = ("request_id", "prefill", "decode", "policy", "slo_class", "predicted_output_tokens", "predicted_ttft_s", "predicted_tpot_s", "slo_feasible", "guarded", "fallback", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RouteResponse(_message.Message):
     SLO_FEASIBLE_FIELD_NUMBER: _ClassVar[int]
     GUARDED_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill: Endpoint
     decode: Endpoint
@@ -74,7 +75,8 @@ class RouteResponse(_message.Message):
     slo_feasible: bool
     guarded: bool
     fallback: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., policy: _Optional[str] = ..., slo_class: _Optional[str] = ..., predicted_output_tokens: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_tpot_s: _Optional[float] = ..., slo_feasible: _Optional[bool] = ..., guarded: _Optional[bool] = ..., fallback: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[Endpoint, _Mapping]] = ..., decode: _Optional[_Union[Endpoint, _Mapping]] = ..., policy: _Optional[str] = ..., slo_class: _Optional[str] = ..., predicted_output_tokens: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_tpot_s: _Optional[float] = ..., slo_feasible: _Optional[bool] = ..., guarded: _Optional[bool] = ..., fallback: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("request_id", "stage", "output_tokens", "ttft_s", "tpot_s", "error")
