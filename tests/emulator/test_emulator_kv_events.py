@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from emulator_testkit import Http, make_profile
+from emulator_testkit import Http, eventually, make_profile
 
 from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.emulator.harness import EmulatorThread
@@ -117,3 +117,27 @@ def test_evictions_are_announced_and_replay_serves_the_buffer(start_emulator, ht
     # two batches kept (buffer_steps), then the end marker
     assert [int.from_bytes(f[2], "big", signed=True) for f in replies] == [1, 2, -1]
     assert replies[0][1] == b"kv@p0" and replies[-1][1] == b""
+
+
+def test_reset_prefix_cache_clears_and_announces_it(start_emulator, http, sub) -> None:
+    """vLLM's development endpoint (VLLM_SERVER_DEV_MODE=1): refused while a prefill leg's KV
+    waits for its decode side, else the cache is emptied and `AllBlocksCleared` published, and
+    the same prompt's blocks are stored (announced) anew. Without dev mode the path is 404."""
+    plain = start_emulator()
+    assert http.post(plain.url + "/reset_prefix_cache", {}).status == 404
+    p = start_emulator(
+        kv_events=parse_kv_events_config(EVENTS), server_dev_mode=True, kv_lease_duration=0.5
+    )
+    s = sub(p.instance.kv_events.endpoint)
+    prompt = " ".join(f"w{i}" for i in range(40))  # two full blocks
+    prefill_leg(http, p, prompt, "held")  # its KV stays until pulled, or its lease expires
+    reply = http.post(p.url + "/reset_prefix_cache", {})
+    assert reply.status == 200 and reply.json() == {"success": False}
+
+    def reset() -> None:
+        assert http.post(p.url + "/reset_prefix_cache", {}).json() == {"success": True}
+
+    eventually(reset)
+    prefill_leg(http, p, prompt, "again")
+    kinds = [[e["type"] for e in batch[1]] for _, _, batch in drain(s)]
+    assert kinds == [["BlockStored"], ["AllBlocksCleared"], ["BlockStored"]]

@@ -17,9 +17,14 @@ from disaggpool.engine.request import SchedulingPolicy
 from disaggpool.errors import InputError
 from disaggpool.formats.kv_events import KVEventsConfig
 
-__all__ = ["DEFAULT_MODEL", "EmulatorConfig", "side_channel_from_env"]
+__all__ = ["DEFAULT_MODEL", "EmulatorConfig", "dev_mode_from_env", "side_channel_from_env"]
 
 DEFAULT_MODEL = "disaggpool/emulated-model"
+
+
+def dev_mode_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """vLLM's `VLLM_SERVER_DEV_MODE` ("1" enables the development endpoints)."""
+    return (os.environ if env is None else env).get("VLLM_SERVER_DEV_MODE") == "1"
 
 
 def side_channel_from_env(env: Mapping[str, str] | None = None) -> tuple[str, int]:
@@ -69,6 +74,9 @@ class EmulatorConfig:
     # vLLM's --scheduling-policy: "priority" orders waiting requests by their `priority`; under
     # "fcfs" a request with a non-zero priority is refused (400), as vLLM refuses it.
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # vLLM's VLLM_SERVER_DEV_MODE=1: its development endpoints; the emulator serves the one a
+    # prefix-cache benchmark needs, POST /reset_prefix_cache (else 404, as vLLM).
+    server_dev_mode: bool = False
     # How long a decode leg waits for the prefill side to answer a KV read before failing it.
     pull_timeout: float = 5.0
 

@@ -167,6 +167,16 @@ class PrefillDriver(_Driver):
             if listener is not None:
                 listener.on_prefilled(t)
 
+    def reset_prefix_cache(self) -> bool:
+        """The engine's `reset_prefix_cache`, its event published at once."""
+        self.sync()
+        ok = self.engine.reset_prefix_cache()
+        events = self.engine.kv_events
+        if events and self._on_kv_events is not None:
+            self._on_kv_events(list(events))
+            events.clear()
+        return ok
+
     def submit(self, req: EngineRequest, listener: PrefillListener) -> bool:
         """Queue a prompt; False if the engine refuses it (longer than it can ever hold)."""
         now = self.sync()

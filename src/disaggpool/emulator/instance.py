@@ -52,7 +52,7 @@ from disaggpool.emulator.kv_side_channel import (
 from disaggpool.emulator.metrics import EmulatorMetrics, GaugeSnapshot
 from disaggpool.emulator.requests import GenerationRequest
 from disaggpool.engine.request import EngineRequest
-from disaggpool.formats.kv_events import BlockRemoved, BlockStored
+from disaggpool.formats.kv_events import AllBlocksCleared, BlockRemoved, Event
 from disaggpool.wordtokenizer import Tokenizer
 
 __all__ = ["EmulatorInstance"]
@@ -138,11 +138,14 @@ class EmulatorInstance:
     ) -> None:
         """One prefill step's cache changes as one batch of vLLM KV events (`kv_publisher`)."""
         assert self.kv_events is not None
-        events: list[BlockStored | BlockRemoved] = []
+        events: list[Event] = []
         size = self.config.block_size
         for kind, req, ids in changes:
             if kind == "removed":
                 events.append(BlockRemoved(tuple(external_hash(b) for b in ids)))
+                continue
+            if kind == "cleared":
+                events.append(AllBlocksCleared())
                 continue
             job = self._jobs.get(req.index) if req is not None else None
             if job is None or req is None:  # aborted in the same step: nothing to name

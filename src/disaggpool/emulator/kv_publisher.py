@@ -28,8 +28,8 @@ import zmq.asyncio
 
 from disaggpool.formats.kv_events import (
     END_SEQ,
-    BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     KVEventsConfig,
     encode_batch,
@@ -120,7 +120,7 @@ class KVEventPublisher:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
         log.info("KV events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
 
-    def publish(self, events: Sequence[BlockStored | BlockRemoved]) -> None:
+    def publish(self, events: Sequence[Event]) -> None:
         """Send one batch now (never blocks: a full queue drops it, as a PUB does)."""
         if self._pub is None or not events or self.silenced:
             return

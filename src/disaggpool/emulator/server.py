@@ -101,6 +101,8 @@ def build_app(instance: EmulatorInstance) -> web.Application:
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/metrics", _metrics)
+    if instance.config.server_dev_mode:
+        app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     return app
 
 
@@ -196,6 +198,13 @@ def _gone(request: web.Request) -> bool:
 def _request_id(request: web.Request, spec: GenerationRequest) -> str:
     """vLLM: the X-Request-Id header, else the body's `request_id`, else a random uuid."""
     return request.headers.get("X-Request-Id") or spec.body_request_id or uuid.uuid4().hex
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's development endpoint: empty the prefill engine's prefix cache, unless a request
+    holds blocks there (then ``{"success": false}``; callers may retry)."""
+    ok = request.app[_INSTANCE].prefill.reset_prefix_cache()
+    return _json({"success": ok}, 200)
 
 
 async def _generate(request: web.Request, endpoint: requests.Endpoint) -> web.StreamResponse:

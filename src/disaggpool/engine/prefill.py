@@ -162,6 +162,18 @@ class PrefillEngine:
         req.cached_tokens = hit
         return hit
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache`: fails (False) while any request holds KV blocks here;
+        else the cache is emptied and, with `kv_events`, ("cleared", None, []) announced (vLLM's
+        `AllBlocksCleared`, sent even when nothing was cached)."""
+        if self.kv_used:
+            return False
+        if self.cache is not None:
+            self.cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(("cleared", None, []))
+        return True
+
     def next_wakeup(self) -> float | None:
         return self.busy_until
 

@@ -101,6 +101,14 @@ class PrefixCache:
             gone.append(self._free.popitem(last=False)[0])
         return gone
 
+    def clear(self) -> bool:
+        """Forget every cached block, as vLLM's `reset_prefix_cache`: only when no request holds
+        any (False, and nothing changes, otherwise)."""
+        if self._refs:
+            return False
+        self._free.clear()
+        return True
+
     def __contains__(self, block: object) -> bool:
         return block in self._refs or block in self._free
 
