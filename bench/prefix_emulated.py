@@ -15,7 +15,8 @@ share token prefixes and the engines' caches really hit.
 For each router configuration, fresh emulators (empty caches) and a fresh sidecar process; the
 trace is replayed through the sidecar's front door (`loadgen.replay`). Configurations: the
 cache-blind `round_robin`, `least_loaded` and `calibrated` (no index); the prefix-cache rules
-`cache_aware` (vLLM router's) and `dynamo_kv` (Dynamo's) with the sidecar's approximate index;
+`cache_aware` (vLLM router's), `dynamo_kv` (Dynamo's) and `llmd_weighted` (llm-d's weighted
+scorers) with the sidecar's approximate index;
 and `calibrated` with the index fed by the prefill pods' KV events (`+events`). Then vLLM's own
 router, `vllm-router` (PyPI, pinned `VLLM_ROUTER`, installed by this script into its own virtual
 environment under `PEER_ROOT`; skipped with a message when it cannot be installed), in its P/D
@@ -26,8 +27,9 @@ Reported per configuration: goodput (SLO: TTFT 3 s, TPOT 100 ms) with a 95% boot
 over requests (2,000 resamples), the share of prompt tokens the engines found cached
 (`vllm:prefix_cache_hits` / `_queries` summed over the prefill pods), TTFT p99, errors.
 
-Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--no-peers] [--json FILE]``
-(about 90 s per configuration at 400 requests); ``--no-peers`` leaves vllm-router out.
+Run: ``.venv/bin/python bench/prefix_emulated.py [--requests N] [--no-peers] [--only LABEL,...]
+[--json FILE]`` (about 90 s per configuration at 400 requests); ``--no-peers`` leaves
+vllm-router out, ``--only`` runs only the named configurations of ours.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ CONFIGS: dict[str, tuple[str, bool, bool]] = {
     "calibrated (no index)": ("calibrated", False, False),
     "cache_aware": ("cache_aware", True, False),
     "dynamo_kv": ("dynamo_kv", True, False),
+    "llmd_weighted": ("llmd_weighted", True, False),
     "calibrated": ("calibrated", True, False),
     "calibrated +events": ("calibrated", True, True),
 }
@@ -273,12 +276,19 @@ def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> di
     }
 
 
-def measure(requests: int, seed: int, peers: bool = True, ours: bool = True) -> dict[str, Any]:
+def measure(
+    requests: int,
+    seed: int,
+    peers: bool = True,
+    ours: bool = True,
+    only: Sequence[str] | None = None,
+) -> dict[str, Any]:
     base = mooncake_slice(requests)
     rate = operating_rate(base)
     trace = workload.rescale(base, rate)
     router = vllm_router() if peers else None
-    runs: list[tuple[str, Path | None]] = [(label, None) for label in CONFIGS if ours]
+    chosen = [label for label in CONFIGS if ours and (only is None or label in only)]
+    runs: list[tuple[str, Path | None]] = [(label, None) for label in chosen]
     if router is not None:
         runs += [(policy, router) for policy in PEER_POLICIES]
     rows = []
@@ -333,12 +343,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
     ap.add_argument("--peers-only", action="store_true", help="only vllm-router's policies")
+    ap.add_argument("--only", metavar="LABELS", help="only these of our configurations (comma)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
+    only = args.only.split(",") if args.only else None
+    unknown = sorted(set(only or ()) - set(CONFIGS))
+    if unknown:
+        ap.error(f"--only: unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
     benchutil.measure_and_report(
         lambda: {
             "prefix_emulated": measure(
-                args.requests, args.seed, not args.no_peers, not args.peers_only
+                args.requests, args.seed, not args.no_peers, not args.peers_only, only
             )
         },
         render,
