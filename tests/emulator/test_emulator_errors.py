@@ -248,12 +248,13 @@ def test_priority_scheduling_serves_the_lower_value_first(start_emulator: Any, h
     emu = start_emulator(profile, scheduling_policy="priority")
     finished: list[int] = []
 
-    def call(priority: int) -> None:
-        body = {"prompt": "x", "max_tokens": 4, "priority": priority}
+    def call(priority: int, tokens: int) -> None:
+        body = {"prompt": "x", "max_tokens": tokens, "priority": priority}
         assert http.post(emu.url + COMPLETIONS, body).status == 200
         finished.append(priority)
 
-    threads = [threading.Thread(target=call, args=(p,)) for p in (7, 5, 0)]
+    # The first holds the slot for 3 s, so both others are seen waiting on a loaded machine too.
+    threads = [threading.Thread(target=call, args=a) for a in ((7, 60), (5, 4), (0, 4))]
     for i, t in enumerate(threads):
         t.start()
         eventually(lambda i=i: _running_waiting(http, emu.url, (1, i)))
