@@ -156,12 +156,16 @@ class PrefillDriver(_Driver):
     def _next(self) -> float | None:
         return self.engine.next_wakeup()
 
-    def _advance(self, t: float) -> None:
-        done = self.engine.advance(t)
+    def _flush_kv_events(self) -> None:
+        """Hand what the engine announced since the last flush to the publisher."""
         events = self.engine.kv_events
         if events and self._on_kv_events is not None:
             self._on_kv_events(list(events))
             events.clear()
+
+    def _advance(self, t: float) -> None:
+        done = self.engine.advance(t)
+        self._flush_kv_events()
         for req in done:
             listener = self._listeners.pop(req.index, None)
             if listener is not None:
@@ -171,10 +175,7 @@ class PrefillDriver(_Driver):
         """The engine's `reset_prefix_cache`, its event published at once."""
         self.sync()
         ok = self.engine.reset_prefix_cache()
-        events = self.engine.kv_events
-        if events and self._on_kv_events is not None:
-            self._on_kv_events(list(events))
-            events.clear()
+        self._flush_kv_events()
         return ok
 
     def submit(self, req: EngineRequest, listener: PrefillListener) -> bool:

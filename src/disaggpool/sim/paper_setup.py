@@ -123,9 +123,9 @@ ERROR_FACTORS = (0.1351, 0.5, 1.0, 2.0, 7.4)
 of d0, d1, d2): 1/7.4 is the study's own, whose simulator-derived decode step was 7.4x too small."""
 
 ERROR_ARMS: dict[str, Arm] = {
-    "seconds": Arm("uncalibrated", default_options("uncalibrated")),
+    "seconds": LABELS["uncalibrated"],
     "seconds_no_pd": Arm("uncalibrated", PolicyOptions()),
-    "weighted_sum": Arm("study_weighted_datasheet"),
+    "weighted_sum": LABELS["study_weighted_datasheet"],
 }
 """The scorers fed the erroneous constants: ours with and without the P/D decider, the study's."""
 
