@@ -173,3 +173,17 @@ def test_late_binding_and_the_local_path_over_grpc(start_pool, start_sidecar) ->
     with grpc.insecure_channel(local.grpc_target) as channel:
         resp = pb_grpc.RouterStub(channel).Route(pb.RouteRequest(request_id="x", prompt_tokens=50))
         assert not resp.HasField("prefill") and resp.decode.name in ("d0", "d1")
+
+
+def test_priority_scheduling_is_told_to_grpc_clients(start_pool, start_sidecar) -> None:
+    """A gRPC client runs the legs itself: the response carries the priority to send with them,
+    1 for a request no pod can serve in time, and 0 whenever the switch is off."""
+    pool = start_pool([A40], [A40])
+    hopeless = [{"name": "chat", "ttft_s": 1e-6, "tpot_s": 1.0}]
+    for switch, expected in ((True, 1), (False, 0)):
+        sc = start_sidecar(pool, slo_classes=hopeless, priority_scheduling=switch)
+        with grpc.insecure_channel(sc.grpc_target) as channel:
+            resp = pb_grpc.RouterStub(channel).Route(
+                pb.RouteRequest(request_id=f"p{switch}", prompt_tokens=300)
+            )
+        assert resp.slo_feasible is False and resp.priority == expected
