@@ -346,14 +346,64 @@ def test_prefill_legs_reuse_a_cached_prefix(start_emulator: Any, http: Http, cac
     n_first = len(Tokenizer().encode(first)) + 1  # BOS
     n_second = len(Tokenizer().encode(second)) + 1
     block = p.instance.config.block_size
-    prefill_leg(http, p, "/v1/completions", {"prompt": first, "max_tokens": 5}, "a")
-    prefill_leg(http, p, "/v1/completions", {"prompt": second, "max_tokens": 5}, "b")
+    a = prefill_leg(http, p, "/v1/completions", {"prompt": first, "max_tokens": 5}, "a")
+    b = prefill_leg(http, p, "/v1/completions", {"prompt": second, "max_tokens": 5}, "b")
     fams = http.metrics(p.url)
     hit = (n_first // block) * block if caching else 0
     assert 0 < n_first // block <= (n_second - 1) // block
-    assert sample(fams, "vllm:prefix_cache_queries_total") == n_first + n_second
+    # P tells D its own hit (vLLM's scheduler adds it to the params it returns).
+    assert a["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+    assert b["kv_transfer_params"]["remote_prefill_cached_tokens"] == hit
+    # vLLM counts no query for a request whose lookup is off (`record_prefix_cache_stats`).
+    queries = n_first + n_second if caching else 0
+    assert sample(fams, "vllm:prefix_cache_queries_total") == queries
     assert sample(fams, "vllm:prefix_cache_hits_total") == hit
     assert sample(fams, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == hit
     assert sample(fams, "vllm:prompt_tokens_cached_total") == hit
     info = fams["vllm:cache_config_info"].samples[0].labels
     assert info["enable_prefix_caching"] == str(caching)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_leg_pulls_only_what_its_cache_lacks(
+    start_emulator: Any, http: Http, caching: bool
+) -> None:
+    """vLLM's NIXL connector on D asks P for the prompt minus D's own prefix-cache hit: a second
+    handoff whose prompt starts with the first one's full blocks reads only the rest, and D's
+    metrics count the hit as its own (`local_cache_hit`), the rest as transferred."""
+    p = start_emulator(enable_prefix_caching=caching)
+    d = start_emulator(enable_prefix_caching=caching, server_dev_mode=True)
+    first = " ".join(f"word{i}" for i in range(70))
+    second = first + " and a different ending"
+    n1 = len(Tokenizer().encode(first)) + 1  # BOS
+    n2 = len(Tokenizer().encode(second)) + 1
+    block = d.instance.config.block_size
+
+    def handoff(rid: str, prompt: str) -> None:
+        original = {"prompt": prompt, "max_tokens": 3}
+        kv = prefill_leg(http, p, "/v1/completions", original, rid)["kv_transfer_params"]
+        reply = http.post(
+            d.url + "/v1/completions", {**original, "kv_transfer_params": kv}, {"X-Request-Id": rid}
+        )
+        assert reply.status == 200, reply.body
+
+    handoff("x1", first)
+    handoff("x2", second)
+    hit = (n1 // block) * block if caching else 0  # the first prompt's full blocks, on D
+    fams = http.metrics(d.url)
+    assert sample(fams, "vllm:prefix_cache_hits_total") == hit
+    assert sample(fams, "vllm:prefix_cache_queries_total") == (n1 + n2 if caching else 0)
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert sample(fams, by_source, source="local_cache_hit") == hit
+    assert sample(fams, by_source, source="external_kv_transfer") == n1 - 1 + n2 - 1 - hit
+    assert sample(fams, by_source, source="local_compute") == 2
+    pulled_blocks = -(-n1 // block) + -(-n2 // block) - hit // block
+    assert sample(fams, "vllm:nixl_bytes_transferred_sum") == pulled_blocks * block * 128 * 1024
+    expected = H100.kv_transfer.time(n1) + H100.kv_transfer.time(n2 - hit)
+    assert sample(fams, "vllm:nixl_xfer_time_seconds_sum") == pytest.approx(expected)
+    # P freed both leases although D read only part of the second one.
+    assert free_blocks(p)[0] == free_blocks(p)[1]
+    # vLLM's dev endpoint empties D's cache too: the same prompt again finds nothing there.
+    assert http.post(d.url + "/reset_prefix_cache", {}).json() == {"success": True}
+    handoff("x3", second)
+    assert sample(http.metrics(d.url), "vllm:prefix_cache_hits_total") == hit

@@ -1,6 +1,6 @@
-"""The engine's prefix cache: vLLM's lookup and eviction rules on hand-worked cases, and the
-prefill engine computing only what it does not hold (and pricing it by the partial-prefill
-formula)."""
+"""The engine's prefix cache: vLLM's lookup and eviction rules on hand-worked cases, the prefill
+engine computing only what it does not hold (and pricing it by the partial-prefill formula), and
+the decode engine pulling, or computing on its local path, only what it does not hold."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import PrefillModel
+from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.prefix_cache import PrefixCache
 from disaggpool.engine.request import EngineRequest
@@ -104,3 +105,66 @@ def test_cached_blocks_give_way_to_new_prompts() -> None:
     assert eng.num_running == 1 and eng.kv_used == 1536
     assert eng.cache.cached_tokens == 512  # a's tail blocks went first
     assert eng.cache.holds(1) and not eng.cache.holds(4)
+
+
+def _decode_one(eng: DecodeEngine, req: EngineRequest, now: float, **kw: bool) -> float:
+    """Run `req` alone on `eng` from `now` to its finish; returns the finish time."""
+    eng.enqueue(req, now, **kw)
+    t = now
+    while req.finish < 0:
+        nxt = eng.next_wakeup()
+        assert nxt is not None
+        t = nxt
+        eng.advance(t)
+    return t
+
+
+def test_decode_pulls_only_what_its_own_cache_lacks() -> None:
+    """vLLM's NIXL connector on D pulls the prompt minus D's local hit: a second request that
+    shares the first one's two leading blocks transfers 1500 - 1024 tokens."""
+    eng = DecodeEngine("d", A40, prefix_caching=True)
+    a = EngineRequest(0, 0.0, 1500, 4, "x", blocks=(1, 2), block_tokens=512)
+    t = _decode_one(eng, a, 0.0)
+    assert a.decode_cached_tokens == 0
+    assert eng.cache is not None and eng.cache.cached_tokens == 1024  # a's blocks stay cached
+    b = EngineRequest(1, t, 1500, 4, "x", blocks=(1, 2), block_tokens=512)
+    started = eng.enqueue(b, t)
+    assert started == [b] and b.decode_cached_tokens == 1024
+    assert eng.next_wakeup() == pytest.approx(t + A40.kv_transfer.time(1500 - 1024))
+    c = EngineRequest(2, t, 1500, 4, "x", blocks=(1, 9), block_tokens=512)
+    eng.enqueue(c, t)  # b holds 1 and 2 now: c hits block 1 only
+    assert c.decode_cached_tokens == 512
+    assert (eng.prefix_queries, eng.prefix_hits) == (4500, 1536)
+
+
+def test_decode_local_path_computes_only_the_uncached_part() -> None:
+    """A prompt prefilled on the decode instance is charged the partial-prefill cost of its
+    uncached tokens, exactly as the prefill engine charges it."""
+    pf = A40.prefill
+    eng = DecodeEngine("d", A40, prefix_caching=True)
+    a = EngineRequest(0, 0.0, 1500, 2, "x", blocks=(1, 2), block_tokens=512)
+    t = _decode_one(eng, a, 0.0, prefill_here=True)
+    b = EngineRequest(1, t, 1500, 2, "x", blocks=(1, 2), block_tokens=512)
+    eng.enqueue(b, t, prefill_here=True)
+    eng.advance(t)  # joins now: its prefill is the extra time of the step it joins
+    new, h = 1500 - 1024, 1024
+    assert eng.prefill_end() - t == pytest.approx(pf.p0 + pf.p1 * new + pf.p2 * (1500**2 - h**2))
+
+
+def test_decode_cache_gives_way_to_running_sequences() -> None:
+    """Cached blocks live in the KV capacity beside the running sequences' growing contexts:
+    decoding into the room evicts them (least recently released first), and caching off or a
+    request without blocks looks nothing up."""
+    eng = DecodeEngine("d", dataclasses.replace(A40, kv_capacity_tokens=3000), prefix_caching=True)
+    a = EngineRequest(0, 0.0, 1024, 2, "x", blocks=(1, 2), block_tokens=512)
+    t = _decode_one(eng, a, 0.0)
+    assert eng.cache is not None and eng.cache.cached_tokens == 1024
+    b = EngineRequest(1, t, 1536, 600, "x", blocks=(5, 6, 7), block_tokens=512)
+    t = _decode_one(eng, b, t)  # ~1536 + 600 tokens in use at its last step: room for 1 block
+    assert eng.cache.cached_tokens == 512 + 1536  # one of a's blocks, then b's three
+    assert eng.cache.holds(1) and not eng.cache.holds(2)  # a's deeper block went first
+    assert eng.cache.holds(5)
+    for off, blocks in ((DecodeEngine("d", A40), (1, 2)), (eng, ())):
+        r = EngineRequest(9, t, 1100, 2, "x", blocks=blocks, block_tokens=512)
+        _decode_one(off, r, t)
+        assert r.decode_cached_tokens == 0

@@ -216,6 +216,7 @@ class DecodeDriver(_Driver):
         rng_seed: int,
         name: str = "decode",
         scheduling: SchedulingPolicy = "fcfs",
+        prefix_caching: bool = False,
         on_preempt: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
@@ -226,6 +227,7 @@ class DecodeDriver(_Driver):
             rng=random.Random(rng_seed),
             jitter_per_step=True,
             scheduling=scheduling,
+            prefix_caching=prefix_caching,
         )
         self._listeners: dict[int, tuple[EngineRequest, DecodeListener]] = {}
         self._emitted: dict[int, int] = {}
@@ -290,6 +292,11 @@ class DecodeDriver(_Driver):
             entry = self._listeners.get(req.index)
             if entry is not None:
                 entry[1].on_transfer_started(t)
+
+    def reset_prefix_cache(self) -> bool:
+        """The engine's `reset_prefix_cache` (the decode engine publishes no KV events)."""
+        self.sync()
+        return self.engine.reset_prefix_cache()
 
     def submit(self, req: EngineRequest, listener: DecodeListener, *, local: bool = False) -> bool:
         """Queue a request whose KV is remote, or with `local` one whose prompt is computed

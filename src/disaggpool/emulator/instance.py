@@ -113,6 +113,7 @@ class EmulatorInstance:
             jitter=self.config.jitter,
             rng_seed=seeds.getrandbits(64),
             scheduling=self.config.scheduling_policy,
+            prefix_caching=self.config.enable_prefix_caching,
             on_preempt=self._preempted,
         )
         await self.lending.start()
@@ -283,9 +284,9 @@ class EmulatorInstance:
             )
         req = EngineRequest(next(self._index), now, n, 1 if on_prefill else output, "emulated")
         req.priority = spec.priority
-        if on_prefill and self.config.enable_prefix_caching:
-            # Only the prefill engine keeps a prefix cache; a plain request's prefill runs in the
-            # decode engine's step and computes its whole prompt.
+        if self.config.enable_prefix_caching:
+            # Both engines keep a prefix cache: a decode leg pulls only the KV the decode engine
+            # does not hold, a plain request computes only its uncached part.
             bs = self.config.block_size
             req.blocks, req.block_tokens = prompt_blocks(spec.prompt_ids, bs), bs
         seed = spec.seed if spec.seed is not None else self._rng.getrandbits(64)
@@ -346,15 +347,19 @@ class EmulatorInstance:
                 m.ttft.observe(t - job.req.arrival)
                 n_prompt = job.prompt_tokens
                 m.prompt_tokens += n_prompt
+                hit = (
+                    job.req.cached_tokens if job.on_prefill_engine else job.req.decode_cached_tokens
+                )
                 if job.spec.kind == "decode":
-                    # D loads all but the last prompt token and recomputes that one for logits.
-                    m.prompt_tokens_by_source["external_kv_transfer"] += n_prompt - 1
+                    # D loads what its own cache lacks but the last prompt token, and recomputes
+                    # that one for logits (the hit is at most prompt - 1 tokens).
+                    m.prompt_tokens_by_source["external_kv_transfer"] += n_prompt - 1 - hit
                     m.prompt_tokens_by_source["local_compute"] += 1
                 else:
-                    hit = job.req.cached_tokens
                     m.prompt_tokens_by_source["local_compute"] += n_prompt - hit
-                    m.prompt_tokens_by_source["local_cache_hit"] += hit
-                    m.prompt_tokens_cached_by_source["device"] += hit
+                m.prompt_tokens_by_source["local_cache_hit"] += hit
+                m.prompt_tokens_cached_by_source["device"] += hit
+                if job.req.blocks:  # looked up (prefix caching on)
                     m.prefix_cache_queries += n_prompt
                     m.prefix_cache_hits += hit
             else:
@@ -457,7 +462,9 @@ class EmulatorInstance:
             try:
                 if remote.port < 0:
                     raise KVReadError(f"invalid remote_port {remote.raw.get('remote_port')!r}")
-                result: ReadResult = await reader.read(remote.engine_id, remote.block_ids)
+                # The blocks D's own cache holds are not read (the hit is whole blocks).
+                held = job.req.decode_cached_tokens // self.config.block_size
+                result: ReadResult = await reader.read(remote.engine_id, remote.block_ids, held)
             except KVReadError as exc:
                 self.metrics.nixl_failed_transfers += 1
                 job.notified = True  # P lent nothing to this request, or refused: nothing to free
@@ -468,7 +475,8 @@ class EmulatorInstance:
             job.open_gate()
             await job.transferred.wait()
             m = self.metrics
-            m.nixl_xfer_time.observe(self.profile.kv_transfer.time(job.prompt_tokens))
+            pulled = job.prompt_tokens - job.req.decode_cached_tokens
+            m.nixl_xfer_time.observe(self.profile.kv_transfer.time(pulled))
             m.nixl_post_time.observe(post)
             m.nixl_bytes.observe(result.num_bytes)
             m.nixl_descriptors.observe(result.num_blocks)

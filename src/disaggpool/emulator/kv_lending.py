@@ -123,7 +123,7 @@ class KVLender:
             "remote_blocks_expiry_time": None,
             "remote_registration_generation": 0,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
+            "remote_prefill_cached_tokens": job.req.cached_tokens,
         }
         self._on_lent(job, params, t)
 
@@ -161,7 +161,7 @@ class KVLender:
         self._arm_expiry()
 
     # ------------------------------------------------------------------ SideChannelHandler
-    def kv_read(self, request_id: str, engine_id: str, block_ids: Any) -> dict[str, Any]:
+    def kv_read(self, request_id: str, engine_id: str, block_ids: Any, skip: int) -> dict[str, Any]:
         lease = self.leases.get(request_id)
         if lease is None:
             if self.leases.was_expired(request_id):
@@ -171,7 +171,9 @@ class KVLender:
             return {"ok": False, "error": f"engine id mismatch: {engine_id}"}
         if block_ids != [lease.blocks]:
             return {"ok": False, "error": f"block ids do not match those of {request_id}"}
-        num_blocks = len(lease.blocks)
+        if skip > len(lease.blocks):
+            return {"ok": False, "error": f"skip {skip} exceeds the {len(lease.blocks)} blocks"}
+        num_blocks = len(lease.blocks) - skip
         size = num_blocks * self.config.block_size * self._bytes_per_token
         return {
             "ok": True,

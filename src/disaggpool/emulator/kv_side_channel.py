@@ -4,7 +4,7 @@ vLLM's decode worker handshakes with the prefill engine over ZMQ on `remote_host
 reads the blocks with NIXL, then sends a notification that lets the prefill side free them. The
 emulator keeps the shape, not the bytes: a tiny JSON-lines protocol on the same advertised port.
 
-    D -> P  {"op": "read", "request_id": R, "engine_id": E, "block_ids": [[...]]}
+    D -> P  {"op": "read", "request_id": R, "engine_id": E, "block_ids": [[...]], "skip": k}
     P -> D  {"ok": true, "num_tokens": n, "num_blocks": b, "bytes": B} | {"ok": false, "error": m}
     D -> P  {"op": "notif", "request_id": R}        (sent when the modelled transfer ends)
     P -> D  {"ok": true} | {"ok": false, "error": m}
@@ -12,8 +12,10 @@ emulator keeps the shape, not the bytes: a tiny JSON-lines protocol on the same 
     P -> D  {"ok": true, "extended": k}
 
 The read validates the request id, the engine id and the block ids against the lease, so a proxy
-that mangles `kv_transfer_params` fails the way a real transfer would. No KV bytes travel; the
-answer carries their size, which feeds `vllm:nixl_bytes_transferred`.
+that mangles `kv_transfer_params` fails the way a real transfer would. `skip` (default 0): the
+leading blocks D already holds in its own prefix cache, which it does not read (vLLM's connector
+pulls only the blocks after D's local hit); `num_blocks` and `bytes` count the rest. No KV bytes
+travel; the answer carries their size, which feeds `vllm:nixl_bytes_transferred`.
 
 `instance` implements the server's `SideChannelHandler` and uses `KVReader` on the decode side.
 """
@@ -44,7 +46,9 @@ _LINE_LIMIT = 1 << 20  # a read message lists block ids: 1 MiB holds ~100k of th
 class SideChannelHandler(Protocol):
     """The prefill side's answers (implemented by `instance.EmulatorInstance`)."""
 
-    def kv_read(self, request_id: str, engine_id: str, block_ids: Any) -> dict[str, Any]: ...
+    def kv_read(
+        self, request_id: str, engine_id: str, block_ids: Any, skip: int
+    ) -> dict[str, Any]: ...
 
     def kv_notify(self, request_id: str) -> dict[str, Any]: ...
 
@@ -107,8 +111,12 @@ class SideChannelServer:
         op = msg.get("op")
         rid = msg.get("request_id")
         try:
+            skip = msg.get("skip", 0)
             if op == "read" and isinstance(rid, str):
-                return self._handler.kv_read(rid, str(msg.get("engine_id")), msg.get("block_ids"))
+                if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
+                    return {"ok": False, "error": f"skip must be a count of blocks, got {skip!r}"}
+                eid = str(msg.get("engine_id"))
+                return self._handler.kv_read(rid, eid, msg.get("block_ids"), skip)
             if op == "notif" and isinstance(rid, str):
                 return self._handler.kv_notify(rid)
             ids = msg.get("request_ids")
@@ -163,7 +171,8 @@ class KVReader:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def read(self, engine_id: str, block_ids: Any) -> ReadResult:
+    async def read(self, engine_id: str, block_ids: Any, skip: int = 0) -> ReadResult:
+        """Read the lent blocks but the first `skip` (held here already)."""
         try:
             async with asyncio.timeout(self.timeout):
                 self._reader, self._writer = await asyncio.open_connection(
@@ -177,6 +186,7 @@ class KVReader:
                         "request_id": self.request_id,
                         "engine_id": engine_id,
                         "block_ids": block_ids,
+                        "skip": skip,
                     },
                 )
         except KVReadError:

@@ -201,9 +201,10 @@ def _request_id(request: web.Request, spec: GenerationRequest) -> str:
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
-    """vLLM's development endpoint: empty the prefill engine's prefix cache, unless a request
-    holds blocks there (then ``{"success": false}``; callers may retry)."""
-    ok = request.app[_INSTANCE].prefill.reset_prefix_cache()
+    """vLLM's development endpoint: empty both engines' prefix caches, unless a request holds
+    blocks there (then ``{"success": false}``; callers may retry)."""
+    inst = request.app[_INSTANCE]
+    ok = inst.decode.reset_prefix_cache() and inst.prefill.reset_prefix_cache()
     return _json({"success": ok}, 200)
 
 

@@ -25,6 +25,17 @@ abort reaches vLLM's scheduler between two steps), `next_boundary` and `produced
 client needs every token, not only the events), `prefill_end` (the first token of a prompt
 computed here is sampled by its prefill pass) and `jitter_per_step` (redraw the jitter factor
 at every boundary instead of once per batch change).
+
+With `prefix_caching`, requests that carry prompt block ids look up the instance's own prefix
+cache (`engine.prefix_cache.PrefixCache`, vLLM's rules) each time they are admitted, as vLLM's
+scheduler does for every waiting request: a request whose KV is remote pulls only the part not
+found here (vLLM's NIXL connector asks for prompt - local hit tokens), and a prompt computed here
+(the local path, a preempted sequence's recompute) computes only the uncached part, at the cost
+the prefill engine charges a partial prefill. A request's prompt blocks stay cached after it
+leaves, evicted least recently released first. KV use is still counted per sequence (a block
+two running sequences share is counted twice, where vLLM holds it once), so the room left for
+cached blocks is, if anything, smaller than vLLM's; it is trimmed at every admission and at every
+boundary where sequences finish or are preempted, where use peaks.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import random
 from collections import deque
 
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.engine.prefix_cache import PrefixCache, cache_for
 from disaggpool.engine.request import (
     EngineRequest,
     SchedulingPolicy,
@@ -69,6 +81,7 @@ class DecodeEngine:
         rng: random.Random | None = None,
         jitter_per_step: bool = False,
         scheduling: SchedulingPolicy = "fcfs",
+        prefix_caching: bool = False,
     ) -> None:
         """`jitter_per_step` redraws the jitter factor at every step boundary, and so wakes at
         every one; the default draws once per batch change, which keeps the simulator's analytic
@@ -105,6 +118,11 @@ class DecodeEngine:
         self._leaving: dict[int, tuple[EngineRequest, int]] = {}
         self.preemptions = 0
         self.rejected: list[EngineRequest] = []
+        self.prefix_caching = prefix_caching
+        self.cache: PrefixCache | None = None  # made for the first request that has blocks
+        self._holding: dict[int, EngineRequest] = {}  # admitted requests whose blocks it holds
+        self.prefix_queries = 0  # prompt tokens looked up (admissions of requests with blocks)
+        self.prefix_hits = 0
 
     # ------------------------------------------------------------------ timing of the batch
     def _steps_time(self, m: int) -> float:
@@ -231,11 +249,13 @@ class DecodeEngine:
                 self._transfers.pop(i)
                 heapq.heapify(self._transfers)
                 self._reserved -= ctx
+                self._let_go(req)
                 return True, self._admit(now)
         for i, (_, r) in enumerate(self._ready):
             if r is req:
                 self._ready.pop(i)
                 self._reserved -= ctx
+                self._let_go(req)
                 return True, self._admit(now)
         return True, []
 
@@ -255,13 +275,46 @@ class DecodeEngine:
             self.waiting.popleft()
             used += ctx
             self._reserved += ctx
+            hit = self._look_up(req, used)
             if req.recompute:
                 self._ready.append((now, req))  # KV is recomputed here: no transfer
             else:
-                done = now + self.profile.kv_transfer.time(req.prompt_tokens)
+                done = now + self.profile.kv_transfer.time(req.prompt_tokens - hit)
                 heapq.heappush(self._transfers, (done, req.index, req))
                 started.append(req)
         return started
+
+    # ------------------------------------------------------------------ the prefix cache
+    def _look_up(self, req: EngineRequest, used: int) -> int:
+        """Admit `req`'s prompt blocks to the cache (`used`: KV in use with it admitted);
+        returns the prompt tokens found cached, also kept as `req.decode_cached_tokens`."""
+        if not (self.prefix_caching and req.blocks):
+            return 0
+        cache = self.cache = cache_for(self.cache, req, self.name)
+        n = req.prompt_tokens
+        hit = cache.hit_tokens(req.blocks, n)
+        cache.acquire(req.blocks, n)
+        cache.evict_to(self.capacity - used)
+        self._holding[req.index] = req
+        self.prefix_queries += n
+        self.prefix_hits += hit
+        req.decode_cached_tokens = hit
+        return hit
+
+    def _let_go(self, req: EngineRequest) -> None:
+        """`req` gave its KV back: its prompt blocks stay cached, no longer in use."""
+        if self._holding.pop(req.index, None) is not None:
+            assert self.cache is not None
+            self.cache.release(req.blocks, req.prompt_tokens)
+
+    def _trim_cache(self) -> None:
+        """Evict cached blocks that no longer fit beside the KV in use at boundary S."""
+        if self.cache is not None:
+            self.cache.evict_to(self.capacity - self._kv_context(self.step) - self._reserved)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache`: False (nothing changes) while a request holds blocks."""
+        return self.cache is None or self.cache.clear()
 
     # ------------------------------------------------------------------ the event step
     def next_wakeup(self) -> float | None:
@@ -307,6 +360,7 @@ class DecodeEngine:
                 self.t_step += self._steps_time(m)
                 self.step += m
                 self._extra = 0.0
+                self._trim_cache()  # before anything leaves: use peaks here
                 if self._leaving:
                     self._drop_leaving()
                 while self._finish and self._finish[0][0] <= self.step:
@@ -316,6 +370,7 @@ class DecodeEngine:
                     del self.running[req.index]
                     req.finish = self.t_step
                     self._remove(req)
+                    self._let_go(req)
                     finished.append(req)
         if self.batch == 0:
             self.t_step = now
@@ -353,6 +408,7 @@ class DecodeEngine:
                 if self.running.get(index) is req:
                     del self.running[index]
                     self._remove(req)
+                    self._let_go(req)
 
     def _preempt_until_fits(self) -> bool:
         """Preempt the newest sequences until the next step fits; True if any was preempted."""
@@ -366,6 +422,7 @@ class DecodeEngine:
                 idx = max(reversed(self.running), key=lambda i: self.running[i].priority)
             victim = self.running.pop(idx)
             self._remove(victim)
+            self._let_go(victim)
             if self._leaving.pop(idx, None) is not None:
                 continue  # aborted anyway: its KV is freed, nothing to recompute
             victim.generated += self.step - victim.join_step
@@ -386,10 +443,12 @@ class DecodeEngine:
         for _, req in ready:
             ctx = req.prompt_tokens + req.generated
             self._reserved -= ctx
-            if req.recompute:
+            if req.recompute:  # the tokens not found in the cache, as a partial prefill
                 pf = self.profile.prefill
-                batches = -(-ctx // self.profile.max_num_batched_tokens)
-                self._extra += batches * pf.p0 + pf.p1 * ctx + pf.p2 * ctx * ctx
+                h = req.decode_cached_tokens  # found at this admission
+                new = ctx - h
+                batches = -(-new // self.profile.max_num_batched_tokens)
+                self._extra += batches * pf.p0 + pf.p1 * new + pf.p2 * (ctx * ctx - h * h)
                 req.recompute = False
             req.join_step = self.step
             req.finish_step = self.step + req.output_tokens - req.generated

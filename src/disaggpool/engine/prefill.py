@@ -30,7 +30,7 @@ import random
 from collections import deque
 
 from disaggpool.core.profile import CalibrationProfile
-from disaggpool.engine.prefix_cache import PrefixCache
+from disaggpool.engine.prefix_cache import PrefixCache, cache_for
 from disaggpool.engine.request import EngineRequest, SchedulingPolicy, queue_for
 
 __all__ = ["PrefillEngine"]
@@ -125,13 +125,7 @@ class PrefillEngine:
     def _cache_for(self, req: EngineRequest) -> PrefixCache | None:
         if not (self.prefix_caching and req.blocks):
             return None
-        if self.cache is None:
-            self.cache = PrefixCache(req.block_tokens)
-        elif self.cache.block_tokens != req.block_tokens:
-            raise ValueError(
-                f"{self.name}: request {req.index} has {req.block_tokens}-token blocks, "
-                f"the cache {self.cache.block_tokens}"
-            )
+        self.cache = cache_for(self.cache, req, self.name)
         return self.cache
 
     def _admit(self, req: EngineRequest) -> int | None:

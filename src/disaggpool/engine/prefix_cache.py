@@ -17,7 +17,7 @@ so that an id names its whole prefix). What is modelled, from vLLM's own rules:
 The cache counts tokens "in use" (held by requests, what vLLM reports as KV usage) apart from
 tokens only cached (free, evictable); the engine keeps both within its KV capacity.
 
-Pure, no clock: used by `engine.prefill`.
+Pure, no clock: used by `engine.prefill` and `engine.decode`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from disaggpool.core.prefix_index import leading_hit_tokens
+from disaggpool.engine.request import EngineRequest
 
-__all__ = ["PrefixCache"]
+__all__ = ["PrefixCache", "cache_for"]
+
+
+def cache_for(cache: PrefixCache | None, req: EngineRequest, engine: str) -> PrefixCache:
+    """The engine's cache (made for its first request with blocks); every request must use the
+    same block size."""
+    if cache is None:
+        return PrefixCache(req.block_tokens)
+    if cache.block_tokens != req.block_tokens:
+        raise ValueError(
+            f"{engine}: request {req.index} has {req.block_tokens}-token blocks, "
+            f"the cache {cache.block_tokens}"
+        )
+    return cache
 
 
 class PrefixCache:

@@ -53,6 +53,7 @@ class EngineRequest:
     blocks: tuple[int, ...] = ()  # prompt block ids, when the trace has them (prefix caching)
     block_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens its prefill instance found in its prefix cache
+    decode_cached_tokens: int = 0  # ... its decode instance found in its own, at admission
     priority: int = 0  # vLLM's request priority (lower first; only under priority scheduling)
 
     def __post_init__(self) -> None:

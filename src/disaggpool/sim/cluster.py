@@ -102,7 +102,8 @@ class Simulation:
         scheduling: SchedulingPolicy = "fcfs",
     ) -> None:
         """`policies`: one policy object per router replica (`router.replicas` of them);
-        `prefix_caching`: the prefill engines cache prompt blocks (requests with `blocks`);
+        `prefix_caching`: every engine caches prompt blocks (requests with `blocks`), as
+        vLLM does by default on prefill and decode pods alike;
         `scheduling`: the engines' vLLM scheduling policy (``priority`` honours
         `RouteDecision.priority`)."""
         if len(policies) != router.replicas:
@@ -132,7 +133,12 @@ class Simulation:
             elif spec.role == "decode":
                 self.decode.append(
                     DecodeEngine(
-                        spec.name, spec.true_profile, jitter=jitter, rng=rng, scheduling=scheduling
+                        spec.name,
+                        spec.true_profile,
+                        jitter=jitter,
+                        rng=rng,
+                        scheduling=scheduling,
+                        prefix_caching=prefix_caching,
                     )
                 )
             else:

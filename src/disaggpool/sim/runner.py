@@ -44,7 +44,7 @@ class RunSpec:
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
     label: str = ""  # the row's name for this policy and options (default: the policy's name)
     extra: tuple[tuple[str, Any], ...] = ()
-    prefix_caching: bool = False  # the prefill engines cache prompt blocks
+    prefix_caching: bool = False  # the engines cache prompt blocks
 
 
 def execute(spec: RunSpec) -> dict[str, Any]:

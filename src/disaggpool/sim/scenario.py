@@ -214,7 +214,7 @@ def _profile(rd: FieldReader, ref: Any, field: str, base: Path) -> CalibrationPr
 def _pool(
     rd: FieldReader, raw: Any, base: Path, seed: int
 ) -> tuple[tuple[InstanceSpec, ...], bool]:
-    """The instances, and whether their prefill engines cache prompt blocks."""
+    """The instances, and whether their engines cache prompt blocks."""
     pool = rd.mapping(raw, "pool")
     rd.known(pool, "pool", {"prefill", "decode", "prefix_caching"})
     specs: list[InstanceSpec] = []
