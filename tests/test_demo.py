@@ -20,15 +20,36 @@ from disaggpool.demo import (
     DemoConfig,
     demo_trace,
     operating_rate,
+    reusable_share,
     run_demo,
     simulated_run,
     stderr_messages,
     true_profiles,
 )
+from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.runner import execute
 
 DECODE_SPEEDS = (1.0, 1.25)
 POLICIES = ("calibrated", "round_robin")
+
+
+def test_reusable_share_is_what_one_cache_of_every_earlier_prompt_finds() -> None:
+    def req(blocks: tuple[int, ...], n: int) -> TraceRequest:
+        return TraceRequest(0.0, n, 8, "chat", blocks=blocks, block_tokens=512)
+
+    trace = [req((1, 2), 1024), req((1, 2, 3), 1500), req((5,), 500)]
+    assert reusable_share(trace) == pytest.approx(1024 / 3024)
+    assert reusable_share([TraceRequest(0.0, 100, 8, "chat")]) == 0.0
+
+
+def test_mooncake_trace_keeps_its_blocks_and_arrivals() -> None:
+    trace, slo = demo_trace(seed=0, trace_name="mooncake")
+    assert len(trace) == 2000 and trace[0].arrival_s == 0.0
+    assert all(r.blocks and r.prompt_tokens <= 7680 and r.output_tokens <= 64 for r in trace)
+    assert {r.slo_class for r in trace} == {slo.name}
+    # a conversation's later turns extend an earlier prompt's blocks: the reuse a cache finds
+    firsts = {r.blocks[0] for r in trace}
+    assert len(firsts) < len(trace) / 2
 
 
 def test_true_profiles_have_the_configured_speeds() -> None:
@@ -44,7 +65,14 @@ def test_true_profiles_have_the_configured_speeds() -> None:
 
 
 @pytest.mark.parametrize(
-    "changes", [{"sim_seeds": 1}, {"decode_speeds": ()}, {"decode_speeds": (1.0, 0.0)}]
+    "changes",
+    [
+        {"sim_seeds": 1},
+        {"decode_speeds": ()},
+        {"decode_speeds": (1.0, 0.0)},
+        {"prefill_speeds": ()},
+        {"trace": "sharegpt"},
+    ],
 )
 def test_config_rejects_what_cannot_run(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -117,3 +145,36 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     printed = capsys.readouterr().out
     assert "disaggpool demo: 1 prefill + 2 decode emulated pods" in printed
     assert all(policy in printed for policy in POLICIES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # ~80 s alone
+def test_demo_mooncake_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--trace mooncake`: two prefill pods caching prefixes, the sidecar's prefix index, and
+    the pods' caches emptied between policies, so each policy's cached share is its own: the
+    prefix rule finds prompts cached, and the simulator predicts a share for it too."""
+    policies = ("dynamo_kv", "round_robin")
+    cfg = DemoConfig(
+        duration_s=4.0,
+        budget_s=12.0,
+        policies=policies,
+        sim_seeds=2,
+        decode_speeds=(1.0,),
+        prefill_speeds=(1.0, 1.6),
+        trace="mooncake",
+    )
+    result = run_demo(cfg, str(tmp_path / "demo.json"))
+    setup = result["setup"]
+    assert setup["trace"] == "mooncake"
+    assert set(setup["fitted"]) == {"prefill-0", "prefill-1", "decode-0"}
+    n = setup["trace_requests"]
+    assert n >= 5
+    rows = {row["policy"]: row for row in result["policies"]}
+    assert list(rows) == list(policies)
+    for row in rows.values():
+        assert row["requests"] == n and row["errors"] == 0, row
+        assert 0.0 <= row["cached_share"] <= 1.0 and 0.0 <= row["cached_share_simulated"] <= 1.0
+    # Dynamo's rule follows the cached blocks: it finds some, measured and simulated alike.
+    assert rows["dynamo_kv"]["cached_share"] > 0.0
+    assert rows["dynamo_kv"]["cached_share_simulated"] > 0.0
+    assert "mooncake trace" in capsys.readouterr().out

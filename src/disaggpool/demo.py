@@ -5,10 +5,16 @@
    with the decode boards at different speeds (1.0, 0.55 and 1.25: a throttled board and a
    faster one), 64 sequences each, prefix caching off (every policy replays the same prompts on
    the same pods; cached, the later replays would prefill nothing).
+   With `--trace mooncake`: two prefill pods (1.0 and 1.6) and two decode pods (1.0 and 0.55),
+   prefix caching on as in vLLM, every pod's cache emptied between policies (vLLM's
+   `POST /reset_prefix_cache`, the emulators started with `VLLM_SERVER_DEV_MODE=1`), and every
+   sidecar keeping its prefix index (`prefix_index: true`).
 2. **Calibration.** `disaggpool calibrate` probes every pod over HTTP, as the operator's Job does
    (decode pods with the prefill pod as KV peer), and writes the fitted profiles.
 3. **Operating point.** The trace is the embedded Azure 2023 conversation trace
-   (`formats.embedded`; lengths clipped to 2048/256 tokens) with bursty Gamma arrivals (CV 3);
+   (`formats.embedded`; lengths clipped to 2048/256 tokens) with bursty Gamma arrivals (CV 3),
+   or with `--trace mooncake` a contiguous slice of the embedded Mooncake conversation trace
+   (its own arrivals and prefix blocks; prompts clipped to 7,680 tokens, outputs to 64);
    its SLO class is derived from unloaded latency (`sim.capacity.slo_targets`: TTFT x4, TPOT x2
    of the p90 request on the nominal board), and its rate is the one at which round-robin
    attains 0.85 goodput in the simulator (`sim.operating_point`, the search `sim paper` uses):
@@ -23,8 +29,11 @@
    can only agree with the simulator within that noise; `--duration 120` narrows it.
 
 `--json FILE` writes ``{"policies": [{"policy", "goodput_measured", "goodput_simulated",
-"requests", "errors", "ttft_p99_s", "tpot_p99_s", ...}], "setup": {...}}``: the setup holds the
-rate, the trace, the SLO class, and per pod its true and its fitted speed.
+"requests", "errors", "ttft_p99_s", "tpot_p99_s", "cached_share", ...}], "setup": {...}}``: the
+setup holds the rate, the trace, the SLO class, and per pod its true and its fitted speed;
+`cached_share` is the share of prompt tokens the prefill pods found cached during the policy's
+replay (`vllm:prefix_cache_hits` / `_queries`; null with prefix caching off), next to the
+simulator's (`cached_share_simulated`).
 """
 
 from __future__ import annotations
@@ -55,8 +64,9 @@ from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import default_options
+from disaggpool.core.prefix_index import leading_hit_tokens
 from disaggpool.core.profile import CalibrationProfile
-from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
+from disaggpool.formats.embedded import AZURE_2023_FILES, embedded_trace, read_embedded_trace
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
@@ -72,6 +82,7 @@ __all__ = [
     "operating_rate",
     "processes",
     "register",
+    "reusable_share",
     "run_demo",
     "simulated_run",
     "stderr_messages",
@@ -81,6 +92,13 @@ __all__ = [
 
 POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
 DECODE_SPEEDS = (1.0, 0.55, 1.25)
+TRACES = ("azure", "mooncake")
+# --trace mooncake: the pool (prefix placement needs two prefill pods, one faster) and the
+# policies (the cache-blind baselines and two peers' prefix rules beside ours).
+MOONCAKE_PREFILL_SPEEDS = (1.0, 1.6)
+MOONCAKE_DECODE_SPEEDS = (1.0, 0.55)
+MOONCAKE_POLICIES = ("calibrated", "round_robin", "least_loaded", "cache_aware", "dynamo_kv")
+MOONCAKE_CLIP = (7680, 64)  # prompt, output: within the profile's 8,192-token context
 MAX_NUM_SEQS = 64
 TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
@@ -100,16 +118,27 @@ class DemoConfig:
     # and its spread; at least 2. Fewer only make the prediction noisier (the tests use 2).
     sim_seeds: int = SIM_SEEDS
     # One decode pod per entry, at that speed relative to the A40 (the tests use two pods, so
-    # that calibrating the pool takes less time).
+    # that calibrating the pool takes less time); the same for prefill pods.
     decode_speeds: tuple[float, ...] = DECODE_SPEEDS
+    prefill_speeds: tuple[float, ...] = (1.0,)
+    trace: str = "azure"  # or "mooncake": prefix caching on, prefix index in every sidecar
 
     def __post_init__(self) -> None:
-        if not self.decode_speeds or min(self.decode_speeds) <= 0:
-            raise ValueError(f"decode_speeds must be positive, got {self.decode_speeds}")
+        for field in ("decode_speeds", "prefill_speeds"):
+            speeds = getattr(self, field)
+            if not speeds or min(speeds) <= 0:
+                raise ValueError(f"{field} must be positive, got {speeds}")
+        if self.trace not in TRACES:
+            raise ValueError(f"trace must be one of {', '.join(TRACES)}, got {self.trace!r}")
         if self.sim_seeds < 2:
             raise ValueError(
                 f"sim_seeds must be >= 2 (a spread needs two runs), got {self.sim_seeds}"
             )
+
+    @property
+    def prefix(self) -> bool:
+        """Whether the pods cache prefixes (and so every router keeps a prefix index)."""
+        return self.trace == "mooncake"
 
 
 def free_port() -> int:
@@ -123,29 +152,57 @@ def _say(msg: str) -> None:
 
 
 def true_profiles(
-    decode_speeds: Sequence[float] = DECODE_SPEEDS,
+    decode_speeds: Sequence[float] = DECODE_SPEEDS, prefill_speeds: Sequence[float] = (1.0,)
 ) -> dict[str, tuple[str, CalibrationProfile]]:
-    """pod name -> (role, hidden true profile): one prefill pod, one decode pod per speed."""
+    """pod name -> (role, hidden true profile): one prefill pod per speed, then one decode pod
+    per speed."""
     base = dataclasses.replace(builtin_profile("a40-llama3-8b"), max_num_seqs=MAX_NUM_SEQS)
-    pods = {"prefill-0": ("prefill", dataclasses.replace(base, name="prefill-0"))}
+    pods: dict[str, tuple[str, CalibrationProfile]] = {}
+    for i, speed in enumerate(prefill_speeds):
+        name = f"prefill-{i}"
+        pods[name] = ("prefill", base.scaled(speed, name=name))
     for i, speed in enumerate(decode_speeds):
         name = f"decode-{i}"
         pods[name] = ("decode", base.scaled(speed, name=name))
     return pods
 
 
-def demo_trace(seed: int) -> tuple[list[TraceRequest], SLOClass]:
-    """Azure conversation lengths in bursty arrivals at rate 1/s (rescaled later), one class."""
-    conv = read_embedded_trace(AZURE_2023_FILES["conv"], default_class="chat")
-    lengths = workload.clip_lengths(conv, 2048, 256)
+def demo_trace(seed: int, trace_name: str = "azure") -> tuple[list[TraceRequest], SLOClass]:
+    """2,000 requests of one class (arrivals rescaled later): Azure conversation lengths in bursty
+    arrivals, or a contiguous slice of the Mooncake conversation trace, its own arrivals from 0
+    and its prefix blocks (conversations reuse their prefixes only within a slice)."""
     rng = random.Random(f"demo:{seed}")
-    start = rng.randrange(0, max(1, len(lengths) - 2000))
-    picked = lengths[start : start + 2000]
-    arrivals = workload.gamma_arrivals(1.0, 3.0, len(picked), rng)
-    trace = workload.with_arrivals(picked, arrivals)
+    if trace_name == "mooncake":
+        reqs = workload.clip_lengths(embedded_trace("mooncake-conversation"), *MOONCAKE_CLIP)
+        start = rng.randrange(0, max(1, len(reqs) - 2000))
+        picked = reqs[start : start + 2000]
+        t0 = picked[0].arrival_s
+        trace = [
+            dataclasses.replace(r, arrival_s=r.arrival_s - t0, slo_class="chat") for r in picked
+        ]
+    else:
+        conv = read_embedded_trace(AZURE_2023_FILES["conv"], default_class="chat")
+        lengths = workload.clip_lengths(conv, 2048, 256)
+        start = rng.randrange(0, max(1, len(lengths) - 2000))
+        picked = lengths[start : start + 2000]
+        arrivals = workload.gamma_arrivals(1.0, 3.0, len(picked), rng)
+        trace = workload.with_arrivals(picked, arrivals)
     nominal = builtin_profile("a40-llama3-8b")
     slo = capacity.slo_targets(nominal, trace)["chat"]
     return trace, slo
+
+
+def reusable_share(trace: Sequence[TraceRequest]) -> float:
+    """The share of the trace's prompt tokens one cache holding every earlier prompt would find
+    (vLLM's lookup rule): the most any routing could hit. 0 for a trace without blocks."""
+    seen: set[int] = set()
+    hits = total = 0
+    for r in trace:
+        total += r.prompt_tokens
+        if r.blocks:
+            hits += leading_hit_tokens(r.blocks, r.prompt_tokens, r.block_tokens, seen)
+            seen.update(r.blocks)
+    return hits / total if total else 0.0
 
 
 def simulated_run(
@@ -155,10 +212,12 @@ def simulated_run(
     slo: SLOClass,
     policy: str,
     seed: int,
+    prefix: bool = False,
 ) -> RunSpec:
     """One simulator run of the demo pool: engines timed by the true profiles with the
     emulator's step jitter, the router believing `believed` (the fitted profiles; a pod missing
-    from it has no profile, as before calibration)."""
+    from it has no profile, as before calibration); with `prefix`, the engines cache prefixes and
+    the router keeps its prefix index."""
     instances = tuple(
         InstanceSpec(name, role, true, believed.get(name)) for name, (role, true) in pods.items()
     )
@@ -174,8 +233,9 @@ def simulated_run(
         seed=seed,
         jitter=JITTER,
         # what the sidecar below runs: its scrape interval and the policy's default switches
-        router=RouterOptions(scrape_interval_s=SCRAPE_INTERVAL_S),
+        router=RouterOptions(scrape_interval_s=SCRAPE_INTERVAL_S, prefix_index=prefix),
         options=default_options(policy),
+        prefix_caching=prefix,
     )
 
 
@@ -185,11 +245,12 @@ def operating_rate(
     slo: SLOClass,
     duration_s: float,
     seed: int,
+    prefix: bool = False,
 ) -> tuple[float, list[TraceRequest]]:
     """The highest rate at which round-robin attains TARGET_GOODPUT on the first `duration_s`
     seconds of `trace`, and the trace at that rate (`sim.operating_point`, on the true pool)."""
     problem = SearchProblem(
-        simulated_run(pods, {}, trace, slo, "round_robin", seed),
+        simulated_run(pods, {}, trace, slo, "round_robin", seed, prefix),
         TARGET_GOODPUT,
         *SEARCH_BRACKET,
         horizon_s=duration_s,
@@ -256,15 +317,45 @@ def _drain(urls: Sequence[str], timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
+def _cache_counts(urls: Sequence[str]) -> tuple[float, float]:
+    """Prompt tokens looked up and found cached, summed over the pods at `urls`."""
+    names = ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
+    queries = hits = 0.0
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            fams = promtext.parse(resp.read().decode(), names)
+        queries += promtext.total(fams, names[0])
+        hits += promtext.total(fams, names[1])
+    return queries, hits
+
+
+def _reset_caches(urls: Sequence[str], timeout: float = 60.0) -> None:
+    """Empty every pod's prefix cache (vLLM's dev endpoint), so that no policy finds the previous
+    one's prompts; a pod refuses while KV is still lent (a lease not yet returned): retried."""
+    end = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if json.loads(resp.read()).get("success"):
+                    break
+            if time.monotonic() > end:
+                raise RuntimeError(f"{url}: the prefix cache could not be reset")
+            time.sleep(0.5)
+
+
 def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     exe = [sys.executable, "-m", "disaggpool"]
-    pods = true_profiles(cfg.decode_speeds)
-    base_trace, slo = demo_trace(cfg.seed)
+    pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
+    base_trace, slo = demo_trace(cfg.seed, cfg.trace)
     with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
         (tmp / "profiles").mkdir()
         urls: dict[str, str] = {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # With prefix caching, vLLM's dev endpoint empties the caches between policies; without,
+        # every policy replays the same prompts and would find the previous ones' cached.
+        caching = ["--enable-prefix-caching"] if cfg.prefix else ["--no-enable-prefix-caching"]
         _say(f"starting {len(pods)} emulated vLLM pods (hidden profiles)")
         for name, (_, true) in pods.items():
             path = tmp / f"true-{name}.yaml"
@@ -272,13 +363,13 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             port = free_port()
             urls[name] = f"http://127.0.0.1:{port}"
             pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            if cfg.prefix:
+                pod_env["VLLM_SERVER_DEV_MODE"] = "1"
             log = (tmp / f"{name}.log").open("wb")
             procs.append(
                 subprocess.Popen(
-                    # Every policy replays the same prompts on the same pods: with vLLM's prefix
-                    # caching each replay would find the previous ones' prompts cached.
                     [*exe, "emulate", "--profile", str(path), "--port", str(port),
-                     "--seed", str(cfg.seed + len(procs)), "--no-enable-prefix-caching"],
+                     "--seed", str(cfg.seed + len(procs)), *caching],
                     env=pod_env, stdout=log, stderr=subprocess.STDOUT,
                 )
             )  # fmt: skip
@@ -302,21 +393,29 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             _say("  " + (said or ["?"])[-1])
         fitted = {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
 
-        rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed)
+        rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed, cfg.prefix)
         _say(
             f"trace: {len(trace)} requests over {cfg.duration_s:.0f} s at {rate:.2f} req/s "
             f"(round-robin's {TARGET_GOODPUT} goodput point); SLO TTFT {slo.ttft_s:.2f} s, "
             f"TPOT {slo.tpot_s * 1000:.0f} ms"
         )
+        prefill_urls = [urls[n] for n, (role, _) in pods.items() if role == "prefill"]
         rows = []
         for policy in cfg.policies:
             sims = [
-                execute(simulated_run(pods, fitted, trace, slo, policy, cfg.seed + k))
+                execute(simulated_run(pods, fitted, trace, slo, policy, cfg.seed + k, cfg.prefix))
                 for k in range(cfg.sim_seeds)
             ]
             sim_goodput = [r["goodput"] for r in sims]
-            measured, served = _serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
+            if cfg.prefix:
+                _reset_caches(list(urls.values()))
+            before = _cache_counts(prefill_urls)
+            measured, served = _serve_policy(
+                exe, env, tmp, urls, pods, policy, trace, slo, procs, cfg.prefix
+            )
             _drain(list(urls.values()))
+            after = _cache_counts(prefill_urls)
+            queries, hits = after[0] - before[0], after[1] - before[1]
             summary = measured.summary()
             rows.append(
                 {
@@ -335,11 +434,19 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                         statistics.fmean(r["tpot_p99_s"] for r in sims), 4
                     ),
                     "served_by_pod": served,
+                    "cached_share": round(hits / queries, 4) if cfg.prefix and queries else None,
+                    "cached_share_simulated": (
+                        round(statistics.fmean(r["prefix_hit"] for r in sims), 4)
+                        if cfg.prefix
+                        else None
+                    ),
                 }
             )
         result = {
             "policies": rows,
             "setup": {
+                "trace": cfg.trace,
+                "reusable_share": round(reusable_share(trace), 4),
                 "rate_rps": round(rate, 3),
                 "duration_s": cfg.duration_s,
                 "trace_requests": len(trace),
@@ -383,9 +490,11 @@ def _serve_policy(
     trace: Sequence[TraceRequest],
     slo: SLOClass,
     procs: list[subprocess.Popen[bytes]],
+    prefix_index: bool = False,
 ) -> tuple[LoadReport, dict[str, int]]:
-    """Replay `trace` through a fresh sidecar running `policy`; the report and, per decode pod,
-    how many requests the sidecar sent there (read from its metrics)."""
+    """Replay `trace` through a fresh sidecar running `policy` (keeping its prefix index with
+    `prefix_index`); the report and, per decode pod, how many requests the sidecar sent there
+    (read from its metrics)."""
     port = free_port()
     config = {
         "policy": policy,
@@ -401,6 +510,7 @@ def _serve_policy(
             }
         },
         "profiles": {"dir": str(tmp / "profiles")},
+        "prefix_index": prefix_index,
     }
     path = tmp / f"sidecar-{policy}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -440,26 +550,46 @@ def _print_table(result: dict[str, Any]) -> None:
     roles = [pod["role"] for pod in setup["pods"].values()]
     print(
         f"\ndisaggpool demo: {roles.count('prefill')} prefill + {roles.count('decode')} decode "
-        f"emulated pods, {setup['rate_rps']} req/s for "
+        f"emulated pods, {setup['trace']} trace, {setup['rate_rps']} req/s for "
         f"{setup['duration_s']:.0f} s; SLO TTFT <= {setup['slo']['ttft_s']:.2f} s, "
         f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
     )
+    cached = setup["trace"] == "mooncake"
     head = (f"{'policy':<14}{'goodput':>9}{'simulated (sd)':>16}{'errors':>8}{'TTFT p99':>10}"
-            f"{'TPOT p99':>10}  decode requests per pod")  # fmt: skip
+            f"{'TPOT p99':>10}{'   cached (sim)' if cached else ''}"
+            "  decode requests per pod")  # fmt: skip
     print(head)
     for r in result["policies"]:
         served = " ".join(f"{k}={v}" for k, v in r["served_by_pod"].items())
+        share = (
+            f"{r['cached_share'] or 0.0:>9.3f} ({r['cached_share_simulated']:.3f})"
+            if cached
+            else ""
+        )
         print(
             f"{r['policy']:<14}{r['goodput_measured']:>9.3f}{r['goodput_simulated']:>9.3f} "
             f"({r['goodput_simulated_sd']:.3f})"
-            f"{r['errors']:>8}{r['ttft_p99_s']:>9.2f}s{r['tpot_p99_s'] * 1000:>8.0f}ms  {served}"
+            f"{r['errors']:>8}{r['ttft_p99_s']:>9.2f}s{r['tpot_p99_s'] * 1000:>8.0f}ms"
+            f"{share}  {served}"
         )
 
 
 def _run(args: argparse.Namespace) -> int:
-    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    mooncake = args.trace == "mooncake"
+    default = MOONCAKE_POLICIES if mooncake else POLICIES
+    policies = tuple(args.policies.split(",")) if args.policies else default
+    pool: dict[str, Any] = (
+        {"prefill_speeds": MOONCAKE_PREFILL_SPEEDS, "decode_speeds": MOONCAKE_DECODE_SPEEDS}
+        if mooncake
+        else {}
+    )
     cfg = DemoConfig(
-        duration_s=args.duration, budget_s=args.budget_seconds, policies=policies, seed=args.seed
+        duration_s=args.duration,
+        budget_s=args.budget_seconds,
+        policies=policies,
+        seed=args.seed,
+        trace=args.trace,
+        **pool,
     )
     run_demo(cfg, args.json)
     return 0
@@ -469,7 +599,18 @@ def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="emulated pool + probe + sidecar + replay, per policy")
     p.add_argument("--duration", type=float, default=30.0, help="trace seconds (default 30)")
     p.add_argument("--budget-seconds", type=float, default=20.0, help="probe budget per pod")
-    p.add_argument("--policies", help=f"comma-separated (default {','.join(POLICIES)})")
+    p.add_argument(
+        "--trace",
+        choices=TRACES,
+        default="azure",
+        help="azure (default: 1 prefill + 3 decode pods, no prefix caching) or mooncake (2 + 2 "
+        "pods, prefix caching, every sidecar with its prefix index)",
+    )
+    p.add_argument(
+        "--policies",
+        help=f"comma-separated (default {','.join(POLICIES)}; "
+        f"with --trace mooncake {','.join(MOONCAKE_POLICIES)})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(func=_run)
