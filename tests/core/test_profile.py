@@ -276,3 +276,11 @@ def test_non_mapping_root(root: Any) -> None:
 def test_input_error_is_value_error() -> None:
     with pytest.raises(ValueError):
         profile_from_dict({}, source="x")
+
+
+def test_partial_prefill_time_charges_the_new_tokens_over_the_whole_context() -> None:
+    pf = PrefillModel(0.01, 1e-4, 1e-8)
+    assert pf.partial_time(3000, 0, 8192) == pytest.approx(pf.prompt_time(3000))
+    # 1000 new tokens in two chunks of 512, attending over all 3000
+    expected = 2 * 0.01 + 1e-4 * 1000 + 1e-8 * (3000**2 - 2000**2)
+    assert pf.partial_time(3000, 2000, 512) == pytest.approx(expected)

@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from disaggpool.core.profile import PrefillModel
+
 __all__ = [
     "DecodeSample",
     "FitResult",
@@ -41,7 +43,6 @@ __all__ = [
     "fit_transfer",
     "huber_nnls",
     "prefill_error",
-    "prefill_time",
     "verdict",
 ]
 
@@ -60,14 +61,6 @@ class PrefillSample:
     cached_tokens: int = 0  # of the prompt, found in the pod's prefix cache
 
 
-def prefill_time(coef: Sequence[float], n: int, cached: int, max_batched_tokens: int) -> float:
-    """The prefill model (`core.profile`, COSTMODEL.md "The prefix cache") at `coef` = (p0, p1,
-    p2): ``p0 * ceil((n - h) / M_b) + p1 * (n - h) + p2 * (n**2 - h**2)``."""
-    p0, p1, p2 = coef
-    new = n - cached
-    return p0 * -(-new // max_batched_tokens) + p1 * new + p2 * (n * n - cached * cached)
-
-
 def prefill_error(
     fitted: FitResult, samples: Sequence[PrefillSample], max_batched_tokens: int
 ) -> float:
@@ -75,11 +68,9 @@ def prefill_error(
     fitted on: an out-of-sample check)."""
     if not samples:
         raise ValueError("no samples to check the prefill model on")
+    model = PrefillModel(*fitted.coef)  # (p0, p1, p2)
     errors = [
-        abs(
-            prefill_time(fitted.coef, s.prompt_tokens, s.cached_tokens, max_batched_tokens)
-            - s.ttft_s
-        )
+        abs(model.partial_time(s.prompt_tokens, s.cached_tokens, max_batched_tokens) - s.ttft_s)
         / max(s.ttft_s, NOISE_FLOOR_S)
         for s in samples
     ]

@@ -54,6 +54,17 @@ class PrefillModel:
         """One whole prompt of n tokens alone in an iteration."""
         return self.p0 + self.p1 * n + self.p2 * n * n
 
+    def partial_time(self, n: int, cached: int, max_batched_tokens: int) -> float:
+        """A prompt of n tokens whose first `cached` are in the prefix cache, alone, in chunks of
+        `max_batched_tokens`: the new tokens' linear work and their attention over the whole
+        context (COSTMODEL.md, "The prefix cache"); `cached=0` is the whole prompt."""
+        new = n - cached
+        return (
+            self.p0 * -(-new // max_batched_tokens)
+            + self.p1 * new
+            + self.p2 * (n * n - cached * cached)
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeModel:

@@ -444,11 +444,9 @@ class DecodeEngine:
             ctx = req.prompt_tokens + req.generated
             self._reserved -= ctx
             if req.recompute:  # the tokens not found in the cache, as a partial prefill
-                pf = self.profile.prefill
                 h = req.decode_cached_tokens  # found at this admission
-                new = ctx - h
-                batches = -(-new // self.profile.max_num_batched_tokens)
-                self._extra += batches * pf.p0 + pf.p1 * new + pf.p2 * (ctx * ctx - h * h)
+                mbt = self.profile.max_num_batched_tokens
+                self._extra += self.profile.prefill.partial_time(ctx, h, mbt)
                 req.recompute = False
             req.join_step = self.step
             req.finish_step = self.step + req.output_tokens - req.generated
