@@ -10,21 +10,30 @@ measure enough decode runs, so that is the smallest budget that still calibrates
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from disaggpool.demo import (
+    MOONCAKE_DECODE_SPEEDS,
+    MOONCAKE_POLICIES,
+    MOONCAKE_PREFILL_SPEEDS,
     TARGET_GOODPUT,
     DemoConfig,
+    config_from_args,
     demo_trace,
     operating_rate,
+    register,
     reusable_share,
     run_demo,
     simulated_run,
     stderr_messages,
     true_profiles,
+)
+from disaggpool.demo import (
+    POLICIES as DEMO_POLICIES,
 )
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.runner import execute
@@ -77,6 +86,35 @@ def test_true_profiles_have_the_configured_speeds() -> None:
 def test_config_rejects_what_cannot_run(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         DemoConfig(**changes)  # type: ignore[arg-type]
+
+
+def _demo_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["demo", *argv])
+
+
+def test_demo_command_defaults_to_the_azure_pool_and_policies() -> None:
+    cfg = config_from_args(_demo_args())
+    assert (cfg.trace, cfg.prefix, cfg.policies) == ("azure", False, DEMO_POLICIES)
+    assert cfg == DemoConfig()
+
+
+def test_trace_mooncake_brings_its_pool_policies_and_prefix_caching() -> None:
+    cfg = config_from_args(_demo_args("--trace", "mooncake", "--duration", "12", "--seed", "3"))
+    assert cfg.prefix
+    assert cfg.prefill_speeds == MOONCAKE_PREFILL_SPEEDS
+    assert cfg.decode_speeds == MOONCAKE_DECODE_SPEEDS
+    assert cfg.policies == MOONCAKE_POLICIES
+    assert (cfg.duration_s, cfg.seed) == (12.0, 3)
+    named = config_from_args(_demo_args("--trace", "mooncake", "--policies", "calibrated,length"))
+    assert named.policies == ("calibrated", "length")
+
+
+def test_demo_command_refuses_an_unknown_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _demo_args("--trace", "sharegpt")
+    assert "--trace" in capsys.readouterr().err
 
 
 def test_operating_rate_is_round_robins_target_point_on_the_true_pool() -> None:

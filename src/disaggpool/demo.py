@@ -77,6 +77,7 @@ from disaggpool.sim.runner import RunSpec, execute
 
 __all__ = [
     "DemoConfig",
+    "config_from_args",
     "demo_trace",
     "free_port",
     "operating_rate",
@@ -574,7 +575,9 @@ def _print_table(result: dict[str, Any]) -> None:
         )
 
 
-def _run(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """The `demo` command's arguments as a config: `--trace mooncake` brings its own pool and
+    policies unless `--policies` names others."""
     mooncake = args.trace == "mooncake"
     default = MOONCAKE_POLICIES if mooncake else POLICIES
     policies = tuple(args.policies.split(",")) if args.policies else default
@@ -583,7 +586,7 @@ def _run(args: argparse.Namespace) -> int:
         if mooncake
         else {}
     )
-    cfg = DemoConfig(
+    return DemoConfig(
         duration_s=args.duration,
         budget_s=args.budget_seconds,
         policies=policies,
@@ -591,7 +594,10 @@ def _run(args: argparse.Namespace) -> int:
         trace=args.trace,
         **pool,
     )
-    run_demo(cfg, args.json)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run_demo(config_from_args(args), args.json)
     return 0
 
 

@@ -155,6 +155,48 @@ def test_two_step_handoff(
     assert http.post(d.url + "/v1/completions", again).status == 500
 
 
+def _side_channel(port: int, *messages: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send JSON lines to a prefill emulator's side channel; its answer to each."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        lines = conn.makefile("rwb")
+        answers = []
+        for msg in messages:
+            lines.write(json.dumps(msg).encode() + b"\n")
+            lines.flush()
+            answers.append(json.loads(lines.readline()))
+    return answers
+
+
+def test_side_channel_refuses_a_bad_skip_and_keeps_the_lease(
+    pair: tuple[EmulatorThread, EmulatorThread], http: Http
+) -> None:
+    p, d = pair
+    original = {"prompt": PROMPT, "max_tokens": 2}
+    kv = prefill_leg(http, p, "/v1/completions", original, "sk")["kv_transfer_params"]
+    read = {
+        "op": "read",
+        "request_id": kv["remote_request_id"],
+        "engine_id": kv["remote_engine_id"],
+        "block_ids": kv["remote_block_ids"],
+    }
+    blocks = len(kv["remote_block_ids"][0])
+    bad = [-1, "2", True, 1.5, None, blocks + 1]
+    answers = _side_channel(p.side_channel_port, *({**read, "skip": k} for k in bad))
+    for k, answer in zip(bad, answers, strict=True):
+        assert answer["ok"] is False
+        assert "skip" in answer["error"], (k, answer)
+    # A good read of the rest still works, and nothing was lost: the decode leg completes and
+    # its notification frees P's blocks.
+    (rest,) = _side_channel(p.side_channel_port, {**read, "skip": blocks - 1})
+    assert (rest["ok"], rest["num_blocks"]) == (True, 1)
+    reply = http.post(
+        d.url + "/v1/completions", {**original, "kv_transfer_params": kv}, {"X-Request-Id": "sk"}
+    )
+    assert reply.status == 200, reply.body
+    assert reply.json()["usage"]["completion_tokens"] == 2
+    assert free_blocks(p) == (p.instance.lending.pool.total, p.instance.lending.pool.total)
+
+
 def test_one_instance_serves_both_legs(start_emulator: Any, http: Http) -> None:
     emu = start_emulator(side_channel_host="localhost")  # vLLM's default remote_host
     msgs = [{"role": "user", "content": PROMPT}]
