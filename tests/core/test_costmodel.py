@@ -42,6 +42,22 @@ def test_prefill_prices_foreign_waiting_requests_at_this_length() -> None:
     assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(expected)
 
 
+def test_prefill_counts_its_own_running_prompt_once() -> None:
+    # The router's one request there is being prefilled: `running` is that same request, whose
+    # tokens `queued_tokens` already holds, so nothing is added for it.
+    inst = InstanceSnapshot(
+        "p", "prefill", running=1, waiting=1, queued=1, queued_tokens=1500, queued_sq_tokens=0.0
+    )
+    assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(2 * 0.01 + 2.0)
+
+
+def test_prefill_prices_foreign_running_requests_at_this_length() -> None:
+    # Two prompts being prefilled that the router did not send (it has nothing there).
+    inst = InstanceSnapshot("p", "prefill", running=2)
+    expected = math.ceil(1500 / 1000) * 0.01 + 0.001 * 1500
+    assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(expected)
+
+
 def test_idle_decode_instance() -> None:
     est = costmodel.decode_estimate(request(), InstanceSnapshot("d", "decode"), PROFILE, 0.5)
     # batch of one; mean context 500 + 100/2 = 550

@@ -63,22 +63,26 @@ def prefill_ready_time(
     """Seconds until `req`'s prompt is prefilled on `inst`: its queue, then itself (FCFS).
 
     The queue is the router's own prompt tokens not yet prefilled there (less what it expected
-    cached), or the scraped `waiting` count priced at this request's length when another client
-    fed the instance. With h of its n tokens cached there, the request itself costs the partial
-    prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix cache"). Work
-    routed there with a priority above 0 is not ahead of it: the router gives that only to
-    requests it predicts late, on engines scheduling by priority (COSTMODEL.md, "Priority").
+    cached), plus what the scrape shows beyond the router's own requests (another client's),
+    priced at this request's length. With h of its n tokens cached there, the request itself
+    costs the partial prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix
+    cache"). Work routed there with a priority above 0 is not ahead of it: the router gives that
+    only to requests it predicts late, on engines scheduling by priority (COSTMODEL.md,
+    "Priority").
     """
     n = req.prompt_tokens
     h = req.prefix_hits.get(inst.name, 0) if req.prefix_hits else 0
     q_tokens = inst.queued_tokens - inst.yielded_tokens
     q_sq = inst.queued_sq_tokens - inst.yielded_sq_tokens
-    if inst.waiting > inst.queued:  # work the router did not send itself
-        extra = inst.waiting - inst.queued
+    # Work the router did not send itself: what the scrape shows beyond its own `queued` (which
+    # counts its requests being prefilled as well as those waiting, so `running` is ours too
+    # until the gauges show more). A waiting count raised to `queued` says nothing beyond it.
+    shown = inst.running + (inst.waiting if inst.waiting > inst.queued else 0)
+    if shown > inst.queued:
+        extra = shown - inst.queued
         q_tokens += extra * n
         q_sq += extra * n * n
-    # A batch in progress is half done on average.
-    tokens = q_tokens + (n - h) + inst.running * n * 0.5
+    tokens = q_tokens + (n - h)
     pf = prof.prefill
     iterations = math.ceil(tokens / prof.max_num_batched_tokens)
     return iterations * pf.p0 + pf.p1 * tokens + pf.p2 * (q_sq + n * n - h * h)
