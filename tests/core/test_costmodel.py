@@ -94,6 +94,30 @@ def test_full_batch_waits_for_completions() -> None:
     assert est.act_s > 100 * tau + wait - 1e-12
 
 
+def test_a_slot_that_frees_during_the_prefill_costs_the_decode_leg_nothing() -> None:
+    inst = InstanceSnapshot(
+        "d", "decode", running=8, kv_tokens_used=8000, remaining_output_tokens=800.0
+    )
+    tau = 0.02 + 0.001 * 8 + 1e-6 * (8000 + 500 + 8 * 50)
+    wait = 1 * 100 * tau / 8  # about 0.36 s until a slot frees (the case above)
+    # Prompt ready in 0.1 s: the leg arrives with 0.1 s of that wait already past.
+    soon = costmodel.decode_estimate(request(), inst, PROFILE, 0.1)
+    assert soon.ttft_s == pytest.approx(0.1 + (wait - 0.1) + 0.502 + tau)
+    assert soon.hidden_s == pytest.approx(0.1)
+    # Ready in 1 s: the slot is free by then; only the transfer and the first step remain.
+    later = costmodel.decode_estimate(request(), inst, PROFILE, 1.0)
+    assert later.ttft_s == pytest.approx(1.0 + 0.502 + tau)
+    assert later.hidden_s == pytest.approx(wait)
+    assert later.act_s == pytest.approx(soon.act_s - (wait - 0.1))
+    # Bound late, the prefill took 1 s already and the leg arrives now: it waits in full.
+    late = costmodel.decode_estimate(request(), inst, PROFILE, 1.0, bound_late=True)
+    assert late.ttft_s == pytest.approx(1.0 + wait + 0.502 + tau)
+    assert late.hidden_s == 0.0
+    # Prefilled there instead, the request is admitted now: nothing is hidden.
+    local = costmodel.decode_estimate(request(), inst, PROFILE, 0.0, local=True)
+    assert local.act_s > later.act_s + wait - 1e-12
+
+
 def test_kv_pressure_adds_preemption_penalty() -> None:
     roomy = InstanceSnapshot(
         "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0

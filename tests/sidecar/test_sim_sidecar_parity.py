@@ -108,8 +108,9 @@ def simulate(
         )
     ]
     del replica
-    # Priorities are 1 only for requests predicted late: load the pool until some are.
-    sim.run(trace(300, seed=5, rate=100.0 if options.priority_scheduling else 14.0))
+    # Priorities are 1 only for requests predicted late, and the P/D decider prefills locally only
+    # to save an SLO: load the pool until some are late.
+    sim.run(trace(300, seed=5, rate=100.0 if options.pd_decider else 14.0))
     return log
 
 

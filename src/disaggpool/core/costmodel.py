@@ -55,6 +55,8 @@ class DecodeEstimate(NamedTuple):
     """Sequences there before the request (kept for `local_estimate`)."""
     preempt_p: float = 0.0
     """Probability the KV cache runs out while the request runs (vLLM then preempts it)."""
+    hidden_s: float = 0.0
+    """Admission wait that clears while the prompt is prefilled elsewhere (two-leg path only)."""
 
 
 def prefill_ready_time(
@@ -108,11 +110,15 @@ def decode_estimate(
     prefill_ready_s: float,
     *,
     local: bool = False,
+    bound_late: bool = False,
 ) -> DecodeEstimate:
     """Additional completion time of admitting `req` on decode instance `inst` (COSTMODEL.md).
 
     `local`: the decode instance prefills the prompt itself (no prefill leg, no KV transfer);
     `prefill_ready_s` is then the time already spent before the decision (0 at arrival).
+    `bound_late`: the prefill is done (`prefill_ready_s` is the time it took) and the decode leg
+    arrives now; otherwise it arrives `prefill_ready_s` from now, and the instance's queue keeps
+    draining meanwhile.
     """
     n = req.prompt_tokens
     o = req.predicted_output_tokens if req.predicted_output_tokens > 1.0 else 1.0
@@ -181,10 +187,15 @@ def decode_estimate(
 
     # Local prefills queued there stall every step they run in: r waits for them too.
     stall = local_prefill_time(inst, prof)
-    ttft = prefill_ready_s + prof.kv_transfer.time(n) + wait + stall + tau
-    act = wait + o * (tau + over) + harm
+    # The decode leg reaches the instance when its prefill is done: the slots and stalls that
+    # clear before then cost it nothing (the engine admits it on arrival, then pulls the KV).
+    lead = 0.0 if (local or bound_late) else prefill_ready_s
+    held = wait + stall - lead if wait + stall > lead else 0.0
+    ttft = prefill_ready_s + held + prof.kv_transfer.time(n) + tau
+    hidden = wait if wait < lead else lead
+    act = wait - hidden + o * (tau + over) + harm
     est = DecodeEstimate(
-        act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead, p_over
+        act, ttft, tau + penalty / o, harm, slo_harm, tau, wait + stall, b_ahead, p_over, hidden
     )
     return local_estimate(req, inst, prof, est, prefill_ready_s) if local else est
 
@@ -224,7 +235,7 @@ def local_estimate(
         slo_harm += bisect.bisect_left(slack, own, lo) - lo
     stall_harm = ahead * own
     return DecodeEstimate(
-        remote.act_s + stall_harm,
+        remote.act_s + remote.hidden_s + stall_harm,  # here r is admitted now: nothing hidden
         elapsed_s + remote.wait_s + own + tau,
         remote.tpot_s,
         remote.harm_s + stall_harm,

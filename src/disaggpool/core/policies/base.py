@@ -79,7 +79,7 @@ def with_predictions(
     if p.profile is None or d.profile is None:
         return RouteDecision(prefill=p.name, decode=d.name, policy=policy)
     ready = costmodel.prefill_ready_time(req, p, p.profile) if elapsed_s is None else elapsed_s
-    est = costmodel.decode_estimate(req, d, d.profile, ready)
+    est = costmodel.decode_estimate(req, d, d.profile, ready, bound_late=elapsed_s is not None)
     return RouteDecision(
         prefill=p.name,
         decode=d.name,

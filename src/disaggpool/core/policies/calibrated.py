@@ -160,7 +160,9 @@ class CalibratedPolicy:
         if d_profiles is None:
             d = self._fallback.route_decode(req, pool, rng, prefill, elapsed_s)
             return RouteDecision(prefill, d.decode, self.name, fallback="least-loaded")
-        return self._decode(req, prefill, elapsed_s, decodes, d_profiles, d_fallback)
+        return self._decode(
+            req, prefill, elapsed_s, decodes, d_profiles, d_fallback, bound_late=True
+        )
 
     def _decode(
         self,
@@ -172,6 +174,7 @@ class CalibratedPolicy:
         fallback: bool,
         *,
         local_ok: bool = False,
+        bound_late: bool = False,
     ) -> RouteDecision:
         """2. Decode: fewest expected SLO violations (the request's own, plus the in-flight
         requests whose TPOT target its extra step time would break), then least additional
@@ -189,7 +192,9 @@ class CalibratedPolicy:
         cheapest_any_key = (math.inf, math.inf)
         estimates: list[costmodel.DecodeEstimate] = []
         for idx, inst in enumerate(decodes):
-            est = costmodel.decode_estimate(req, inst, d_profiles[idx], ready_s)
+            est = costmodel.decode_estimate(
+                req, inst, d_profiles[idx], ready_s, bound_late=bound_late
+            )
             estimates.append(est)
             key = (_violations(est, slo), est.act_s)
             if key < cheapest_any_key:
