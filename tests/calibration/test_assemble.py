@@ -81,6 +81,7 @@ def test_the_profile_is_the_true_one_with_the_pods_facts() -> None:
     assert (p.kv_capacity_tokens, p.block_size, p.max_model_len) == (190_000, 16, 4096)
     assert p.fitted_at == "2026-01-02T03:04:05Z"
     assert p.quality == "good" and p.ttft_mape is not None and p.ttft_mape < 0.01
+    assert p.unmeasured == () and p.transfer_measured  # measured with a peer: nothing marked
     report = result.report
     assert report["elapsed_s"] == 12.346
     assert report["http_overhead"] == {
@@ -100,6 +101,7 @@ def test_the_profile_is_the_true_one_with_the_pods_facts() -> None:
     assert report["measurements"]["prefill"][0] == [16, round(net.prefill[0].ttft_s, 6)]
     assert set(report["fits"]) == {"prefill", "decode", "transfer"}
     assert report["quality"] == p.quality and report["reason"] == p.notes
+    assert report["unmeasured"] == []
 
 
 def test_without_a_peer_the_transfer_defaults_are_used_and_said() -> None:
@@ -114,6 +116,26 @@ def test_without_a_peer_the_transfer_defaults_are_used_and_said() -> None:
     )
     assert "KV transfer not measured" in result.profile.notes
     assert "transfer" not in result.report["fits"]
+    # The defaults are marked as such, and a decode profile carrying them is at most fair (its
+    # prefill and decode fits alone are good on these noise-free measurements).
+    assert result.profile.unmeasured == ("kv_transfer",)
+    assert not result.profile.transfer_measured
+    assert result.profile.quality == "fair" and "at most fair" in result.profile.notes
+    assert result.report["unmeasured"] == ["kv_transfer"]
+    assert result.report["quality"] == "fair"
+
+
+def test_a_prefill_pods_unmeasured_transfer_is_marked_but_does_not_lower_its_verdict() -> None:
+    """Nothing prices a prefill pod's KV transfer (the decode pod pulls the KV, and the cost
+    model reads the decode pod's profile), so without a peer it is marked, not held against it."""
+    cfg = dataclasses.replace(CFG, role="prefill")
+    net = assemble.net_of_request_path(measured(transfer=False))
+    result = assemble.assemble(
+        cfg, POD, net, assemble.fit_all(net, cfg), elapsed_s=1.0, fitted_at="t"
+    )
+    assert result.profile.unmeasured == ("kv_transfer",)
+    assert result.profile.quality == "good"
+    assert "a prefill pod's is not used" in result.profile.notes
 
 
 def test_too_few_measurements_are_a_probe_error() -> None:

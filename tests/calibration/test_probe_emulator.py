@@ -16,9 +16,17 @@ from typing import Any
 import pytest
 
 from disaggpool import promtext
+from disaggpool.calibration import assemble
 from disaggpool.calibration.probe import ProbeConfig, run_probe
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel, PrefillModel
+from disaggpool.core.profile import (
+    CalibrationProfile,
+    DecodeModel,
+    KVTransferModel,
+    PrefillModel,
+    profile_from_dict,
+    profile_to_dict,
+)
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 
@@ -31,6 +39,13 @@ OVERHEADS = dataclasses.replace(
     prefill=PrefillModel(0.040, A40.prefill.p1, A40.prefill.p2),
     decode=DecodeModel(0.060, 5e-4, A40.decode.d2),
     kv_transfer=KVTransferModel(0.020, A40.kv_transfer.bytes_per_token, 10e9),
+)
+
+# The link of issue #14: slower than the probe's defaults (2 ms + 20 GB/s) for every prompt.
+SLOW_LINK = dataclasses.replace(
+    A40,
+    name="a40-slow-link",
+    kv_transfer=KVTransferModel(0.003, A40.kv_transfer.bytes_per_token, 12e9),
 )
 
 
@@ -83,6 +98,36 @@ def test_probe_recovers_the_hidden_profile(true: CalibrationProfile) -> None:
     # The request path's own cost came from rejected twins, and grows with the prompt.
     assert report["http_overhead"]["from"] == "rejected twin requests"
     assert report["http_overhead"]["samples"] >= 4
+
+
+@pytest.mark.slow
+def test_without_a_peer_the_transfer_is_marked_unmeasured_and_not_good() -> None:
+    """Issue #14: a decode probe without --peer wrote the defaults for this link (k0 -33%,
+    bandwidth +67%) and rated the profile good. The profile now says its KV transfer was not
+    measured, in a form its file keeps for the router, and is at most fair."""
+    cfg = EmulatorConfig(SLOW_LINK, port=0, side_channel_port=0, jitter=0.03, seed=7)
+    with EmulatorThread(cfg) as decode:
+        result = run_probe(
+            ProbeConfig(
+                endpoint=decode.url,  # no peer
+                budget_s=10,
+                seed=0,
+                max_num_seqs=SLOW_LINK.max_num_seqs,
+                max_num_batched_tokens=SLOW_LINK.max_num_batched_tokens,
+            )
+        )
+    got = result.profile
+    assert got.unmeasured == ("kv_transfer",) and not got.transfer_measured
+    assert (got.kv_transfer.k0, got.kv_transfer.bandwidth_bytes_per_s) == (
+        assemble.DEFAULT_K0_S,
+        assemble.DEFAULT_KV_BANDWIDTH,
+    )
+    assert got.quality != "good", got.notes
+    # Fair because of the transfer, unless its own fits were poor anyway.
+    assert got.quality == "poor" or "at most fair" in got.notes, got.notes
+    assert "KV transfer not measured (no --peer)" in got.notes
+    assert result.report["samples"]["transfer"] == 0
+    assert profile_from_dict(profile_to_dict(got)) == got
 
 
 def cache_hits(url: str) -> float:

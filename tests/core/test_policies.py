@@ -17,7 +17,9 @@ from disaggpool.core.contracts import (
 )
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.base import NoCapacityError
+from disaggpool.core.policies.calibrated import median_measured_transfer
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
+from disaggpool.core.profile import KVTransferModel
 
 A40 = builtin_profile("a40-llama3-8b")
 SLOW = A40.scaled(0.6, name="slow")
@@ -203,6 +205,62 @@ def test_missing_profiles_fall_back_and_say_so() -> None:
     d = make_policy("calibrated").route(REQ, none, random.Random(0))
     assert (d.policy, d.fallback) == ("calibrated", "least-loaded")
     assert d.predicted_ttft_s is None
+
+
+def linked(name: str, k0: float, gbps: float, quality: str = "good", measured: bool = True):
+    """A40 behind a KV link of `k0` seconds + `gbps` GB/s; `measured=False`: the probe's defaults
+    written without a peer, marked unmeasured."""
+    kv = KVTransferModel(k0, A40.kv_transfer.bytes_per_token, gbps * 1e9)
+    unmeasured = () if measured else ("kv_transfer",)
+    return dataclasses.replace(
+        A40, name=name, kv_transfer=kv, quality=quality, unmeasured=unmeasured
+    )
+
+
+def test_median_measured_transfer_is_a_trusted_measured_links_model() -> None:
+    d0, d1, d2 = linked("d0", 0.003, 12), linked("d1", 0.005, 8), linked("d2", 0.001, 30)
+    # Ordered by the time of a 1024-token prompt: d2 (5.5 ms), d0 (14 ms), d1 (22 ms).
+    assert median_measured_transfer([d1, d2, d0]) is d0.kv_transfer
+    assert median_measured_transfer([d1, d2]) is d1.kv_transfer  # even: the upper, as profiles
+    unmeasured = linked("dx", 0.002, 20, measured=False)
+    poor = linked("dp", 0.050, 1, quality="poor")
+    assert median_measured_transfer([unmeasured, poor, None]) is None
+    assert median_measured_transfer([unmeasured, poor, d2]) is d2.kv_transfer
+
+
+def test_an_unmeasured_kv_transfer_is_priced_with_the_pools_measured_median() -> None:
+    """Issue #14: defaults are not calibration. `dx` was probed without a peer; the pool's
+    trusted pods measured three links (median 3 ms + 12 GB/s, that of d0), and a poor profile's
+    link is not counted. The other pods are down: the median is of the pool, not only of the
+    pods healthy now, and `dx` is the only choice, so the prediction shows what priced it."""
+    dx = linked("dx", 0.002, 20, quality="fair", measured=False)
+    others = [
+        linked("d0", 0.003, 12),
+        linked("d1", 0.005, 8),
+        linked("d2", 0.001, 30),
+        linked("d3", 0.050, 1, quality="poor"),
+    ]
+    decodes = [decode("dx", dx)] + [decode(p.name, p, healthy=False) for p in others]
+    policy = make_policy("calibrated")
+    ready = costmodel.prefill_ready_time(REQ, prefill("p0"), A40)
+
+    def ttft(profile) -> float:
+        return costmodel.decode_estimate(REQ, decodes[0], profile, ready).ttft_s
+
+    with_median = dataclasses.replace(dx, kv_transfer=others[0].kv_transfer)
+    d = policy.route(REQ, pool(decodes), random.Random(0))
+    assert (d.decode, d.fallback) == ("dx", None)
+    assert d.predicted_ttft_s == pytest.approx(ttft(with_median))
+    assert d.predicted_ttft_s > ttft(dx) + 0.005  # the slower measured link, not the defaults
+    again = policy.route(REQ, pool(decodes), random.Random(0))  # the cached stand-in
+    assert again.predicted_ttft_s == d.predicted_ttft_s
+    late = policy.route_decode(REQ, pool(decodes), random.Random(0), "p0", ready)
+    assert late.predicted_ttft_s == pytest.approx(
+        costmodel.decode_estimate(REQ, decodes[0], with_median, ready, bound_late=True).ttft_s
+    )
+    # Nobody measured the link: the defaults are all there is.
+    alone = policy.route(REQ, pool([decode("dx", dx)]), random.Random(0))
+    assert alone.predicted_ttft_s == pytest.approx(ttft(dx))
 
 
 def test_unhealthy_instances_are_never_chosen_and_none_left_raises() -> None:

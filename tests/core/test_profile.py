@@ -80,6 +80,7 @@ def test_round_trip_with_optional_metadata() -> None:
         notes="fitted on node 7",
         block_size=32,
         max_model_len=4096,
+        unmeasured=("kv_transfer",),
     )
     data = profile_to_dict(profile)
     assert data["metadata"] == {
@@ -89,8 +90,30 @@ def test_round_trip_with_optional_metadata() -> None:
         "ttft_mape": 0.07,
         "tpot_mape": 0.031,
         "notes": "fitted on node 7",
+        "unmeasured": ["kv_transfer"],
     }
     assert profile_from_dict(data) == profile
+    assert not profile.transfer_measured
+
+
+def test_unmeasured_through_yaml_and_absent_when_everything_was_measured() -> None:
+    """`metadata.unmeasured` survives the file format (YAML text, not only dicts), and a profile
+    that measured everything writes no such key (files written before it existed still read)."""
+    yaml = pytest.importorskip("yaml")
+    probed = dataclasses.replace(
+        BUILTIN_PROFILES["a40-llama3-8b"], source="probe", unmeasured=("kv_transfer",)
+    )
+    text = yaml.safe_dump(profile_to_dict(probed))
+    assert "unmeasured:\n  - kv_transfer\n" in text
+    back = profile_from_dict(yaml.safe_load(text), source="probed.yaml")
+    assert back == probed and back.unmeasured == ("kv_transfer",)
+    full = BUILTIN_PROFILES["a40-llama3-8b"]
+    assert full.transfer_measured and "unmeasured" not in profile_to_dict(full)["metadata"]
+    data = _valid()
+    data["metadata"]["unmeasured"] = None  # null: nothing unmeasured, as when absent
+    assert profile_from_dict(data).unmeasured == ()
+    data["metadata"]["unmeasured"] = []
+    assert profile_from_dict(data).unmeasured == ()
 
 
 def test_defaults_for_optional_fields() -> None:
@@ -247,6 +270,14 @@ MALFORMED: list[tuple[str, Mutation, str]] = [
     ("bad metadata.source", _set("metadata.source", "guess"), "metadata.source"),
     ("negative ttft_mape", _set("metadata.ttft_mape", -0.1), "metadata.ttft_mape"),
     ("metadata not a mapping", _set("metadata", ["good"]), "metadata"),
+    ("unmeasured not a list", _set("metadata.unmeasured", "kv_transfer"), "metadata.unmeasured"),
+    ("unknown unmeasured term", _set("metadata.unmeasured", ["kv_link"]), "metadata.unmeasured"),
+    ("unmeasured non-string", _set("metadata.unmeasured", [1]), "metadata.unmeasured"),
+    (
+        "unmeasured twice",
+        _set("metadata.unmeasured", ["kv_transfer", "kv_transfer"]),
+        "metadata.unmeasured",
+    ),
     ("bad schema_version", _set("schema_version", 2), "schema_version"),
     ("string schema_version", _set("schema_version", "1"), "schema_version"),
 ]
@@ -263,6 +294,13 @@ def test_malformed_profile_names_field(mutate: Mutation, field: str) -> None:
     assert info.value.field == field
     assert info.value.source == "bad.yaml"
     assert str(info.value).startswith(f"bad.yaml: {field}: ")
+
+
+def test_a_bad_unmeasured_value_says_what_is_allowed() -> None:
+    data = _valid()
+    data["metadata"]["unmeasured"] = ["decode"]
+    with pytest.raises(InputError, match=r"metadata\.unmeasured: terms must be among kv_transfer"):
+        profile_from_dict(data, source="bad.yaml")
 
 
 @pytest.mark.parametrize("root", [None, [], ["name"], "a40-llama3-8b", 42])

@@ -4,6 +4,7 @@ exact prompt lengths from a `tokenizer.json`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,11 @@ import pytest
 import yaml
 from sidecar_testkit import A40, MODEL, post
 
-from disaggpool.sidecar.config import TokenizerConfig
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.profile import KVTransferModel
+from disaggpool.formats.profiles import load_profile, save_profile
+from disaggpool.sidecar.config import Member, SidecarConfig, TokenizerConfig
+from disaggpool.sidecar.service import RoutingService
 from disaggpool.sidecar.state import PoolState
 from disaggpool.sidecar.tokens import Prompt, PromptCounter
 
@@ -70,6 +75,67 @@ def test_pods_without_a_trusted_profile_use_the_documented_fallback(
         r.getMessage() for r in caplog.records if "no trusted calibration profile" in r.getMessage()
     ]
     assert len(warned) == len(set(warned)) >= 1  # said once per pod, not once per request
+
+
+def test_what_prices_an_unmeasured_kv_transfer_is_said_once_per_stand_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode pod probed without --peer (its profile file marks the KV transfer unmeasured) is
+    priced with the decode pool's median measured transfer, or its defaults while no pod has
+    measured one (tests/core/test_policies.py); the log says which, once per pod and stand-in,
+    and again when a profile or the membership changes it."""
+    members = (
+        Member("p0", "prefill", "http://p0"),
+        Member("dx", "decode", "http://dx"),
+        Member("d0", "decode", "http://d0"),
+    )
+    slo = SLOClass("chat", 60.0, 1.0)
+    service = RoutingService(
+        SidecarConfig(policy="calibrated", model=MODEL, slo_classes=(slo,), static_members=members),
+        clock=lambda: 0.0,
+    )
+    service.state.set_members(members)
+    bpt = A40.kv_transfer.bytes_per_token
+    files = {
+        "p0": A40,
+        "dx": dataclasses.replace(A40, quality="fair", unmeasured=("kv_transfer",)),
+        "d0": dataclasses.replace(A40, kv_transfer=KVTransferModel(0.003, bpt, 12e9)),
+    }
+
+    def install(name: str) -> None:  # as the profile collector does
+        save_profile(files[name], tmp_path / f"{name}.yaml")
+        service.state.set_profile(name, load_profile(tmp_path / f"{name}.yaml"), 0.0)
+        service.profile_changed(name)
+
+    def said() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if "KV transfer not measured" in r.getMessage()
+        ]
+
+    with caplog.at_level("WARNING", logger="disaggpool.sidecar"):
+        install("p0")
+        install("dx")
+        assert said() == [
+            "pod dx: KV transfer not measured (probed without --peer) and no decode pod measured "
+            "one: the calibrated policy prices it with its defaults (2 ms + 20 GB/s)"
+        ]
+        install("d0")
+        assert said()[1:] == [
+            "pod dx: KV transfer not measured (probed without --peer): the calibrated policy "
+            "prices it with the decode pool's median measured transfer (3 ms + 12 GB/s), not "
+            "its profile's defaults (2 ms + 20 GB/s)"
+        ]
+        install("p0")  # nothing changed for dx: not said again
+        assert len(said()) == 2
+        service.state.unreachable("d0")  # down: dx is routed to (priced as tests/core show)
+        routed = service.route("r1", 1000)
+        assert routed.decode is not None and routed.decode.name == "dx"
+        assert len(said()) == 2
+        service.state.set_members(members[:2])  # d0 leaves, as the collector then tells:
+        service.note_transfer_stand_ins()
+        assert said()[2:] == said()[:1]  # the defaults again
+    # The pod's own profile is left as loaded: the stand-in is the policy's, per decision.
+    assert service.state.instances["dx"].profile == files["dx"]
 
 
 def test_huggingface_tokenizer_json_counts_exactly(tmp_path: Path) -> None:

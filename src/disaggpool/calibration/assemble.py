@@ -102,8 +102,10 @@ def assemble(
             fits.prefill, net.partial_prefill, cfg.max_num_batched_tokens
         )
     quality, reason = fit.verdict(fits.all(), checks)
+    unmeasured: tuple[str, ...] = ()
     if fits.transfer is None:
-        reason += "; KV transfer not measured (no --peer): default 2 ms + 20 GB/s"
+        unmeasured = ("kv_transfer",)
+        quality, reason = _unmeasured_transfer(cfg.role, quality, reason)
         k0, bandwidth = DEFAULT_K0_S, DEFAULT_KV_BANDWIDTH
     else:
         k0 = fits.transfer.coef[0]
@@ -126,8 +128,26 @@ def assemble(
         ttft_mape=round(fits.prefill.holdout_mape, 4),
         tpot_mape=round(fits.decode.holdout_mape, 4),
         notes=reason,
+        unmeasured=unmeasured,
     )
     return ProbeResult(profile, _report(cfg, net, fits, elapsed_s, quality, reason, checks))
+
+
+def _unmeasured_transfer(role: str, quality: str, reason: str) -> tuple[str, str]:
+    """The verdict of a profile whose KV transfer holds the defaults (no --peer to measure it).
+
+    A decode pod's transfer prices every decode leg it takes, so defaults there are at most
+    `fair`: a link of 3 ms + 12 GB/s once went out as the defaults' 2 ms + 20 GB/s rated `good`
+    (issue #14). The router replaces them by its pool's measured median (`core.policies.
+    calibrated`). A prefill pod's transfer is never priced (the decode pod pulls the KV, and the
+    cost model reads the decode pod's profile): it is marked unmeasured, its verdict kept."""
+    reason += "; KV transfer not measured (no --peer): default 2 ms + 20 GB/s, marked unmeasured"
+    if role != "decode":
+        return quality, reason + " (a prefill pod's is not used)"
+    if quality == "good":
+        quality = "fair"
+        reason += ", so at most fair"
+    return quality, reason + "; the router uses its pool's measured KV transfer where it has one"
 
 
 def _report(
@@ -180,4 +200,5 @@ def _report(
         },
         "quality": quality,
         "reason": reason,
+        "unmeasured": [] if fits.transfer else ["kv_transfer"],
     }

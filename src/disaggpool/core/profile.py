@@ -26,6 +26,7 @@ from disaggpool.errors import InputError
 __all__ = [
     "QUALITIES",
     "SOURCES",
+    "UNMEASURABLE",
     "CalibrationProfile",
     "DecodeModel",
     "KVTransferModel",
@@ -37,6 +38,9 @@ __all__ = [
 SCHEMA_VERSION = 1
 SOURCES = ("builtin", "datasheet", "probe", "user")
 QUALITIES = ("good", "fair", "poor", "unknown")
+#: The terms a profile may mark as not measured (`metadata.unmeasured`): the probe always fits
+#: prefill and decode or fails, but measures the KV transfer only with a prefill peer.
+UNMEASURABLE = ("kv_transfer",)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,11 +115,19 @@ class CalibrationProfile:
     ttft_mape: float | None = None
     tpot_mape: float | None = None
     notes: str = ""
+    #: Terms of `UNMEASURABLE` whose constants are defaults, not measurements (in that order).
+    unmeasured: tuple[str, ...] = ()
 
     @property
     def trusted(self) -> bool:
         """A profile the router may score with (a `poor` fit is never trusted)."""
         return self.quality in ("good", "fair")
+
+    @property
+    def transfer_measured(self) -> bool:
+        """Whether `kv_transfer` was measured (else it holds defaults, which the router replaces
+        by its pool's measured transfer where it has one)."""
+        return "kv_transfer" not in self.unmeasured
 
     def scaled(self, speed: float, name: str | None = None) -> CalibrationProfile:
         """The same hardware running `speed` times as fast (compute terms only, not memory)."""
@@ -148,6 +160,7 @@ _INTS = (
     "max_model_len",
 )
 _REQUIRED_INTS = ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens")
+_METADATA = ("source", "quality", "fitted_at", "ttft_mape", "tpot_mape", "notes", "unmeasured")
 
 
 def _number(value: Any, path: str, source: str, *, positive: bool = False) -> float:
@@ -205,7 +218,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
     meta = data.get("metadata") or {}
     if not isinstance(meta, Mapping):
         raise InputError(source, "metadata", "must be a mapping")
-    unknown_meta = set(meta) - {"source", "quality", "fitted_at", "ttft_mape", "tpot_mape", "notes"}
+    unknown_meta = set(meta) - set(_METADATA)
     if unknown_meta:  # a typo such as `qualty` would otherwise silently make a profile untrusted
         raise InputError(source, f"metadata.{min(map(str, unknown_meta))}", "unknown field")
     src = meta.get("source", "user")
@@ -218,6 +231,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
         raise InputError(
             source, "metadata.quality", f"must be one of {', '.join(QUALITIES)}, got {quality!r}"
         )
+    unmeasured = _unmeasured(meta.get("unmeasured"), source)
     errors = {}
     for key in ("ttft_mape", "tpot_mape"):
         if meta.get(key) is not None:
@@ -249,8 +263,27 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
         notes=str(meta.get("notes", "")),
         ttft_mape=errors.get("ttft_mape"),
         tpot_mape=errors.get("tpot_mape"),
+        unmeasured=unmeasured,
         **ints,
     )
+
+
+def _unmeasured(value: Any, source: str) -> tuple[str, ...]:
+    """`metadata.unmeasured`: a list of distinct `UNMEASURABLE` terms (absent or null: none),
+    returned in `UNMEASURABLE`'s order so that equal sets make equal profiles."""
+    path = "metadata.unmeasured"
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InputError(source, path, f"must be a list of terms, got {value!r}")
+    for term in value:
+        if term not in UNMEASURABLE:
+            raise InputError(
+                source, path, f"terms must be among {', '.join(UNMEASURABLE)}, got {term!r}"
+            )
+    if len(set(value)) != len(value):
+        raise InputError(source, path, f"lists a term twice: {value!r}")
+    return tuple(t for t in UNMEASURABLE if t in value)
 
 
 def profile_to_dict(p: CalibrationProfile) -> dict[str, Any]:
@@ -264,6 +297,8 @@ def profile_to_dict(p: CalibrationProfile) -> dict[str, Any]:
         meta["tpot_mape"] = p.tpot_mape
     if p.notes:
         meta["notes"] = p.notes
+    if p.unmeasured:
+        meta["unmeasured"] = list(p.unmeasured)
     return {
         "schema_version": SCHEMA_VERSION,
         "name": p.name,

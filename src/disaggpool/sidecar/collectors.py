@@ -159,6 +159,8 @@ class Collectors:
             log.info("pod %s left the pool", name)
         if added and self.config.profiles_dir:
             self._files.clear()  # re-read profiles: a new pod may already have one
+        if removed:  # a pod that measured its KV transfer may have been the stand-in
+            self.service.note_transfer_stand_ins()
 
     async def _poll_file_members(self, path: str) -> None:
         while True:

@@ -30,8 +30,10 @@ from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecisi
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
+from disaggpool.core.policies.calibrated import median_measured_transfer
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
+from disaggpool.core.profile import KVTransferModel
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
 from disaggpool.sidecar.prefix import PrefixLookup
@@ -129,6 +131,8 @@ class RoutingService:
         )
         self.spread = SlidingSpread(config.heterogeneity_window)
         self._untrusted_logged: set[str] = set()
+        # decode pod -> the measured transfer standing in for its unmeasured one (None: defaults)
+        self._stand_ins_logged: dict[str, KVTransferModel | None] = {}
         self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
         self.prefix = PrefixLookup(self.state, config.kv_events, self.metrics, clock)
 
@@ -324,8 +328,44 @@ class RoutingService:
         return self.state.inflight
 
     def profile_changed(self, pod: str) -> None:
-        """A pod's profile was (re)loaded: warn again if it is still untrusted."""
+        """A pod's profile was (re)loaded: warn again if it is still untrusted, and say again
+        what prices the KV transfer of decode pods that did not measure theirs."""
         self._untrusted_logged.discard(pod)
+        self.note_transfer_stand_ins()
+
+    def note_transfer_stand_ins(self) -> None:
+        """Log, for each decode pod whose trusted profile did not measure its KV transfer (probed
+        without --peer), what the calibrated policy prices it with: the median measured transfer
+        of the decode pool, or the profile's defaults when no pod measured one (the rule is
+        `core.policies.calibrated`'s). Once per pod and stand-in; call it when profiles or
+        membership change, which is all that changes the stand-in."""
+        decodes = self.state.members("decode")
+        stand_in = median_measured_transfer(i.profile for i in decodes)
+        logged = self._stand_ins_logged
+        for inst in decodes:
+            p = inst.profile
+            if p is None or p.transfer_measured or not p.trusted:
+                logged.pop(inst.name, None)
+                continue
+            if inst.name in logged and logged[inst.name] == stand_in:
+                continue
+            logged[inst.name] = stand_in
+            if stand_in is None:
+                log.warning(
+                    "pod %s: KV transfer not measured (probed without --peer) and no decode pod "
+                    "measured one: the calibrated policy prices it with its defaults (%s)",
+                    inst.name,
+                    _transfer_text(p.kv_transfer),
+                )
+            else:
+                log.warning(
+                    "pod %s: KV transfer not measured (probed without --peer): the calibrated "
+                    "policy prices it with the decode pool's median measured transfer (%s), not "
+                    "its profile's defaults (%s)",
+                    inst.name,
+                    _transfer_text(stand_in),
+                    _transfer_text(p.kv_transfer),
+                )
 
     # ------------------------------------------------------------------ reporting
     def prefilled(self, request_id: str) -> bool:
@@ -393,3 +433,8 @@ class RoutingService:
         if gone:
             self.metrics.inflight.set(self.state.inflight)
         return len(gone)
+
+
+def _transfer_text(m: KVTransferModel) -> str:
+    """A KV transfer model for a log line: '2 ms + 20 GB/s'."""
+    return f"{m.k0 * 1e3:.3g} ms + {m.bandwidth_bytes_per_s / 1e9:.3g} GB/s"

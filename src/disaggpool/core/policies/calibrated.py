@@ -33,14 +33,23 @@ minimisation. `slack=None` disables it (the greedy variant used to show the fail
 profile of its pool, and the decision says ``fallback="median-profile"``; with no trusted profile
 at all the policy routes least-loaded and says ``fallback="least-loaded"``. Never a silent default.
 
+**Unmeasured KV transfer.** A decode profile probed without a prefill peer carries default KV
+transfer constants, marked ``metadata.unmeasured: [kv_transfer]`` (PROFILES.md). Defaults are not
+calibration: such a profile is scored with the median measured transfer model of its pool's
+trusted decode profiles (`median_measured_transfer`), and keeps the defaults only when no pod
+measured one. The median is taken over every decode pod, healthy or not: a link measured on a pod
+that is briefly unreachable is still a measurement, and the stand-in does not flap with health.
+The decision does not say so (its `fallback` is about whole profiles); the sidecar logs it.
+
 `uncalibrated` is the same scorer fed fixed datasheet profiles instead of the calibrated ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from disaggpool.core import costmodel
 from disaggpool.core.contracts import (
@@ -52,13 +61,18 @@ from disaggpool.core.contracts import (
 )
 from disaggpool.core.policies.base import healthy
 from disaggpool.core.policies.baselines import LeastLoaded
-from disaggpool.core.profile import CalibrationProfile, DecodeModel
+from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel
 
-__all__ = ["CalibratedPolicy"]
+__all__ = ["CalibratedPolicy", "median_measured_transfer"]
 
 #: Reference batch for the throughput weight of the guard: 32 sequences of 1024 context tokens.
 _REF_SEQS = 32
 _REF_CONTEXT = 32 * 1024
+#: Reference prompt that orders KV transfer models for their median.
+_REF_PROMPT = 1024
+
+#: A decode profile, the stand-in for its unmeasured KV transfer, and the profile with it.
+_StandIn = tuple[CalibrationProfile, KVTransferModel, CalibrationProfile]
 
 
 def _violations(est: costmodel.DecodeEstimate, slo: SLOClass) -> float:
@@ -76,6 +90,20 @@ def _median_profile(instances: Sequence[InstanceSnapshot]) -> CalibrationProfile
         key=lambda p: p.decode.step(_REF_SEQS, _REF_CONTEXT) + p.prefill.prompt_time(1024),
     )
     return trusted[len(trusted) // 2] if trusted else None
+
+
+def median_measured_transfer(
+    profiles: Iterable[CalibrationProfile | None],
+) -> KVTransferModel | None:
+    """The median of the measured KV transfer models of the trusted `profiles`, ordered by the
+    time of a reference prompt (of an even count the upper one, as `_median_profile`); None when
+    none was measured. A whole model, not a median per constant: k0 and bandwidth are fitted
+    together and the pair is what one link does."""
+    measured = sorted(
+        (p.kv_transfer for p in profiles if p is not None and p.trusted and p.transfer_measured),
+        key=lambda m: m.time(_REF_PROMPT),
+    )
+    return measured[len(measured) // 2] if measured else None
 
 
 class CalibratedPolicy:
@@ -97,6 +125,7 @@ class CalibratedPolicy:
         self._override = profiles
         self._fallback = LeastLoaded()
         self._weights: dict[int, tuple[DecodeModel, float]] = {}  # guard weights (_weight)
+        self._stand_ins: dict[int, _StandIn] = {}  # profiles with a pool transfer (_with_transfer)
 
     def _profiles(
         self, instances: Sequence[InstanceSnapshot]
@@ -118,6 +147,33 @@ class CalibratedPolicy:
             return None, True
         return [p if p is not None else median for p in got], True
 
+    def _measured_transfers(
+        self, profiles: list[CalibrationProfile], pool: Sequence[InstanceSnapshot]
+    ) -> list[CalibrationProfile]:
+        """Decode `profiles` with each unmeasured KV transfer replaced by the median measured one
+        of `pool` (every decode pod), where there is one (module docstring). Profiles given to
+        the policy (`profiles=`, e.g. `uncalibrated`'s datasheet) are scored as given."""
+        if self._override is not None or all(p.transfer_measured for p in profiles):
+            return profiles
+        median = median_measured_transfer(i.profile for i in pool)
+        if median is None:  # nobody measured the link: the defaults are all there is
+            return profiles
+        return [p if p.transfer_measured else self._with_transfer(p, median) for p in profiles]
+
+    def _with_transfer(
+        self, profile: CalibrationProfile, transfer: KVTransferModel
+    ) -> CalibrationProfile:
+        """`profile` with `transfer`, cached by identity as `_weight` is: a copy per decode pod
+        per request would cost more than pricing it, and both change only with a re-probe."""
+        hit = self._stand_ins.get(id(profile))
+        if hit is not None and hit[0] is profile and hit[1] is transfer:
+            return hit[2]
+        if len(self._stand_ins) >= 4096:
+            self._stand_ins.clear()
+        out = dataclasses.replace(profile, kv_transfer=transfer)
+        self._stand_ins[id(profile)] = (profile, transfer, out)
+        return out
+
     def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
         prefills = healthy(pool.prefill, "prefill")
         decodes = healthy(pool.decode, "decode")
@@ -126,6 +182,7 @@ class CalibratedPolicy:
         if p_profiles is None or d_profiles is None:
             d = self._fallback.route(req, pool, rng)
             return RouteDecision(d.prefill, d.decode, self.name, fallback="least-loaded")
+        d_profiles = self._measured_transfers(d_profiles, pool.decode)
 
         # 1. Prefill: soonest ready.
         best_p = 0
@@ -160,6 +217,7 @@ class CalibratedPolicy:
         if d_profiles is None:
             d = self._fallback.route_decode(req, pool, rng, prefill, elapsed_s)
             return RouteDecision(prefill, d.decode, self.name, fallback="least-loaded")
+        d_profiles = self._measured_transfers(d_profiles, pool.decode)
         return self._decode(
             req, prefill, elapsed_s, decodes, d_profiles, d_fallback, bound_late=True
         )
