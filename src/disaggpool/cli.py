@@ -2,6 +2,7 @@
 
     disaggpool sim paper [--quick] [--setup both|llama8b|paper] [--json FILE] [--plots DIR]
     disaggpool sim prefix [--quick] [--json FILE] [--plots DIR]
+    disaggpool sim autoscale [--quick] [--json FILE] [--plots DIR]
                          [--workers N]
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool profile list
@@ -99,21 +100,29 @@ def cmd_sim_prefix(args: argparse.Namespace) -> int:
     return _report_experiment(doc, start, prefix_report.tables, prefix_report.write_plots, args)
 
 
+def cmd_sim_autoscale(args: argparse.Namespace) -> int:
+    from disaggpool.sim import autoscale_report, autoscale_study
+
+    cfg = (
+        autoscale_study.AutoscaleConfig.quick() if args.quick else autoscale_study.AutoscaleConfig()
+    )
+    start = time.perf_counter()
+    doc = autoscale_study.run_autoscale(
+        cfg, workers=args.workers, progress=_progress("sim autoscale")
+    )
+    return _report_experiment(
+        doc, start, autoscale_report.tables, autoscale_report.write_plots, args
+    )
+
+
 def cmd_sim_run(args: argparse.Namespace) -> int:
     from disaggpool.sim import report
-    from disaggpool.sim.runner import run_all
+    from disaggpool.sim.runner import run_all, staged
     from disaggpool.sim.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
     specs = scenario.specs()
-    update = _progress("sim run")
-    done = 0
-
-    def tick(k: int) -> None:  # run_all reports increments; the bar wants (stage, done, total)
-        nonlocal done
-        done += k
-        update("runs", done, len(specs))
-
+    tick = staged(_progress("sim run"), "runs", len(specs))
     rows = run_all(specs, workers=args.workers, progress=tick)
     doc = {"experiments": {"run": rows}}
     print(
@@ -265,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, help="worker processes (default: CPU count)"
     )
     x.set_defaults(func=cmd_sim_prefix)
+    a = sim.add_parser("autoscale", help="decode autoscalers side by side on time-varying traffic")
+    a.add_argument("--quick", action="store_true", help="every traffic shape, small")
+    a.add_argument("--json", metavar="FILE", help="write all rows as JSON")
+    a.add_argument("--plots", metavar="DIR", help="write PNG plots")
+    a.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: CPU count)"
+    )
+    a.set_defaults(func=cmd_sim_autoscale)
     r = sim.add_parser("run", help="simulate one scenario file")
     r.add_argument("--scenario", required=True, metavar="FILE")
     r.add_argument("--json", metavar="FILE")

@@ -11,7 +11,8 @@ traffic's length distribution, never tuned against results:
   in a saturated chunked-prefill pipeline (iteration overhead amortised over the token budget).
 * **Decode capacity**: Little's law at the largest batch whose step time still meets the
   tightest TPOT target, fits the KV cache and `max_num_seqs`: ``B / (E[output] * step(B))`` (the
-  throughput at the SLO, as DistServe defines per-GPU goodput capacity).
+  throughput at the SLO, as DistServe defines per-GPU goodput capacity; the decode autoscaler's
+  own formula, `core.autoscaling.decode_capacity`).
 * **Split**: the integer split of G GPUs that maximises the smaller of the two pool capacities
   (ties to more decode instances, where routing has choices to make).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from disaggpool.core.autoscaling import decode_capacity
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.traces import TraceRequest
@@ -78,16 +80,10 @@ def pool_capacity(
     per_request = (
         pf.p0 * mean_prompt / profile.max_num_batched_tokens + pf.p1 * mean_prompt + pf.p2 * mean_sq
     )
-    ctx = mean_prompt + mean_out / 2.0
-    best_rps, best_b = 0.0, 1
-    for b in range(1, profile.max_num_seqs + 1):
-        step = profile.decode.step(b, b * ctx)
-        if step > tightest_tpot_s or b * (ctx + mean_out / 2.0) > profile.kv_capacity_tokens:
-            break
-        rps = b / (mean_out * step)
-        if rps > best_rps:
-            best_rps, best_b = rps, b
-    return PoolCapacity(1.0 / per_request, best_rps, best_b)
+    decode = decode_capacity(profile, mean_prompt, mean_out, tightest_tpot_s)
+    # An instance that cannot meet the target even alone adds no capacity at the SLO.
+    rps = decode.rps if decode.step_s <= tightest_tpot_s else 0.0
+    return PoolCapacity(1.0 / per_request, rps, decode.batch)
 
 
 def best_split(gpus: int, cap: PoolCapacity) -> tuple[int, int]:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import random
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from disaggpool.core.contracts import RequestFeatures, SLOClass
 from disaggpool.core.policies.base import Policy
@@ -31,7 +33,20 @@ from disaggpool.engine.request import EngineRequest, SchedulingPolicy
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.router import RouterReplica
 
-__all__ = ["InstanceSpec", "RouterOptions", "SimOutcome", "Simulation"]
+__all__ = ["Controller", "InstanceSpec", "RouterOptions", "SimOutcome", "Simulation"]
+
+
+class Controller(Protocol):
+    """Something that acts on the pool while it runs (the autoscaler of `sim.elastic`): told of
+    every arrival and completion, woken every `period_s` from time 0 while requests remain."""
+
+    period_s: float
+
+    def arrived(self, req: EngineRequest, now: float) -> None: ...
+
+    def finished(self, req: EngineRequest, now: float) -> None: ...
+
+    def tick(self, now: float) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +82,7 @@ class InstanceSpec:
     role: str
     true_profile: CalibrationProfile
     believed_profile: CalibrationProfile | None
+    standby: bool = False  # a decode instance an autoscaler may start; not serving at first
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,12 +116,14 @@ class Simulation:
         router: RouterOptions = RouterOptions(),
         prefix_caching: bool = False,
         scheduling: SchedulingPolicy = "fcfs",
+        controller: Controller | None = None,
     ) -> None:
         """`policies`: one policy object per router replica (`router.replicas` of them);
         `prefix_caching`: every engine caches prompt blocks (requests with `blocks`), as
         vLLM does by default on prefill and decode pods alike;
         `scheduling`: the engines' vLLM scheduling policy (``priority`` honours
-        `RouteDecision.priority`)."""
+        `RouteDecision.priority`); `controller`: acts on the pool as it runs (`serve`, `drain`);
+        `standby` decode instances serve only once it starts them."""
         if len(policies) != router.replicas:
             raise ValueError(f"{router.replicas} router replicas need as many policy objects")
         self.slo_classes = dict(slo_classes)
@@ -145,14 +163,18 @@ class Simulation:
                 raise ValueError(
                     f"instance {spec.name}: role must be prefill or decode, got {spec.role!r}"
                 )
-        if not self.prefill or not self.decode:
-            raise ValueError("a pool needs at least one prefill and one decode instance")
+        standby = {s.name for s in instances if s.standby}
+        # The decode instances the routers see, changed in place by `serve` and `drain`.
+        self.serving: list[DecodeEngine] = [d for d in self.decode if d.name not in standby]
+        if not self.prefill or not self.serving:
+            raise ValueError("a pool needs at least one prefill and one serving decode instance")
+        self.controller = controller
         believed = {s.name: s.believed_profile for s in instances}
         n = router.replicas
         self.routers = [
             RouterReplica(
                 self.prefill,
-                self.decode,
+                self.serving,
                 believed,
                 scrape_interval_s=router.scrape_interval_s,
                 phase_s=router.scrape_interval_s * r / n,
@@ -164,6 +186,7 @@ class Simulation:
         self._index = {e.name: i for i, e in enumerate(self._engines)}
         self._served = [0] * len(self._engines)
         self._features: dict[int, RequestFeatures] = {}  # requests awaiting late binding
+        self._bound = dict.fromkeys((d.name for d in self.decode), 0)  # requests bound to each
         self._version = [0] * len(self._engines)
         self._heap: list[tuple[float, int, int]] = []  # (time, engine index, version)
 
@@ -194,8 +217,16 @@ class Simulation:
         n = len(reqs)
         nxt = 0
         now = 0.0
+        period = self.controller.period_s if self.controller else math.inf
+        tick = 0.0 if self.controller else math.inf
         while nxt < n or heap:
-            if heap and (nxt >= n or heap[0][0] <= reqs[nxt].arrival):
+            arrival = reqs[nxt].arrival if nxt < n else math.inf
+            wake = heap[0][0] if heap else math.inf
+            if tick <= wake and tick <= arrival and self.controller is not None:
+                now = tick
+                tick += period
+                self.controller.tick(now)
+            elif wake <= arrival:
                 now, idx, version = heapq.heappop(heap)
                 if version != self._version[idx]:
                     continue
@@ -204,6 +235,8 @@ class Simulation:
                 req = reqs[nxt]
                 nxt += 1
                 now = req.arrival
+                if self.controller is not None:
+                    self.controller.arrived(req, now)
                 self._arrive(req, now)
         rejected = [r for e in self._engines for r in e.rejected]
         done = [r for r in reqs if r.finish >= 0]
@@ -243,12 +276,13 @@ class Simulation:
             return
         req.priority = decision.priority
         if decision.prefill is None:  # the P/D decider's local path: the decode engine prefills
-            req.decode_instance = decision.decode
+            self._bind(req, decision.decode)
             router.routed(req, None, decision.decode, slo, now)
             d_idx = self._index[decision.decode]
             started = self.decode[d_idx - len(self.prefill)].enqueue(req, now, prefill_here=True)
             if req.rejected:
                 router.finished(req)
+                self._unbind(req)
                 return
             self._after_decode(d_idx, started, [], [], now)
             return
@@ -258,7 +292,7 @@ class Simulation:
         if late:
             self._features[req.index] = features
         else:
-            req.decode_instance = decision.decode
+            self._bind(req, decision.decode)
         router.routed(
             req,
             decision.prefill,
@@ -271,6 +305,7 @@ class Simulation:
         if req.rejected:  # never admitted: it must not linger in the router's accounting
             router.finished(req)
             self._features.pop(req.index, None)
+            self._unbind(req)
             return
         self._reschedule(p_idx)
 
@@ -282,7 +317,7 @@ class Simulation:
         decision = policy.route_decode(
             features, router.snapshot(now), self.rng, req.prefill_instance, now - req.arrival
         )
-        req.decode_instance = decision.decode
+        self._bind(req, decision.decode)
         router.bind_decode(req, decision.decode)
         return self._index[decision.decode]
 
@@ -301,6 +336,7 @@ class Simulation:
                 if req.rejected:  # the decode side can never hold it: free its prefill KV too
                     engine.release(req, now)
                     router.finished(req)
+                    self._unbind(req)
                 self._after_decode(d_idx, started, [], [], now)
             self._reschedule(idx)
         else:
@@ -323,8 +359,43 @@ class Simulation:
         for req in finished:
             self._served[idx] += 1
             self._router(req).finished(req)
+            self._unbind(req)
             self.predictor.observe(req.slo_class, req.prompt_tokens, req.output_tokens)
+            if self.controller is not None:
+                self.controller.finished(req, now)
         self._reschedule(idx)
+
+    # ------------------------------------------------------------------ the serving decode set
+    def _bind(self, req: EngineRequest, decode: str) -> None:
+        req.decode_instance = decode
+        self._bound[decode] += 1
+
+    def _unbind(self, req: EngineRequest) -> None:
+        if req.decode_instance:
+            self._bound[req.decode_instance] -= 1
+
+    def serve(self, name: str) -> None:
+        """Decode instance `name` starts taking requests (a scaled-up pod became ready)."""
+        engine = self.decode[self._index[name] - len(self.prefill)]
+        if engine not in self.serving:
+            self.serving.append(engine)
+
+    def drain(self, name: str) -> None:
+        """Decode instance `name` takes no new request; it finishes those it was given."""
+        engine = self.decode[self._index[name] - len(self.prefill)]
+        if engine in self.serving:
+            if len(self.serving) == 1:
+                raise ValueError("the last serving decode instance cannot be drained")
+            self.serving.remove(engine)
+
+    def bound(self, name: str) -> int:
+        """Requests routed to decode instance `name` and not finished."""
+        return self._bound[name]
+
+    def drained(self, name: str) -> bool:
+        """Whether decode instance `name` holds no request and none is on its way to it."""
+        engine = self.decode[self._index[name] - len(self.prefill)]
+        return engine not in self.serving and engine.idle and self._bound[name] == 0
 
 
 def _errors(predictor: OutputPredictor) -> dict[str, float]:

@@ -65,7 +65,7 @@ from disaggpool.sim.paper_setup import (
 )
 from disaggpool.sim.paper_study import BASE_LABELS, Study
 from disaggpool.sim.paper_traces import synthetic_trace
-from disaggpool.sim.runner import RunSpec, run_all
+from disaggpool.sim.runner import RunSpec, run_all, staged
 
 __all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_paper"]
 
@@ -401,16 +401,7 @@ def run_paper(
     (``{"setups", "experiments", "findings"}``, see the module docstring)."""
     setups, specs = build_specs(cfg, workers=workers, progress=progress)
     flat = [s for group in specs.values() for s in group]
-    total = len(flat)
-    done = 0
-
-    def tick(k: int) -> None:
-        nonlocal done
-        done += k
-        if progress:
-            progress("experiments", done, total)
-
-    rows = run_all(flat, workers=workers, progress=tick)
+    rows = run_all(flat, workers=workers, progress=staged(progress, "experiments", len(flat)))
     experiments: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPERIMENTS}
     for spec, row in zip(flat, rows, strict=True):
         experiments[spec.experiment].append(row)

@@ -49,7 +49,7 @@ from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.operating_point import Progress, SearchProblem, operating_rates
 from disaggpool.sim.pools import perturbed
 from disaggpool.sim.prefix_workload import PrefixShape, prefix_sessions
-from disaggpool.sim.runner import RunSpec, run_all
+from disaggpool.sim.runner import RunSpec, run_all, staged
 
 __all__ = ["POLICIES", "PrefixConfig", "run_prefix"]
 
@@ -117,15 +117,7 @@ def run_prefix(
             for seed in cfg.seeds:
                 spec = _spec(cfg, trace, t, p, c, label, seed)
                 specs.append(dataclasses.replace(spec, extra=(*spec.extra, ("rate_rps", rate))))
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("runs", done, len(specs))
-
-    rows = run_all(specs, workers=workers, progress=tick)
+    rows = run_all(specs, workers=workers, progress=staged(progress, "runs", len(specs)))
     return {
         "config": dataclasses.asdict(cfg),
         "experiments": {"prefix": rows},

@@ -10,9 +10,11 @@ produced are reported at every decision, as a front door counting streamed token
 
 Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
 share of the arrivals and seeing only its own requests in its ledger; the gauges are the only
-thing they share, which is what makes greedy placement herd. With `prefix_index`, a replica also
-keeps a `core.prefix_index.PrefixIndex` of the prompt blocks it sent to each prefill instance and
-tells the policy what each would find cached (`prefix_hits`). Called by `sim.cluster` only.
+thing they share, which is what makes greedy placement herd. The decode instances a replica sees
+are the serving ones: an autoscaled simulation adds and drains them under it. With
+`prefix_index`, a replica also keeps a `core.prefix_index.PrefixIndex` of the prompt blocks it
+sent to each prefill instance and tells the policy what each would find cached (`prefix_hits`).
+Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class RouterReplica:
     def __init__(
         self,
         prefill: Sequence[PrefillEngine],
-        decode: Sequence[DecodeEngine],
+        decode: list[DecodeEngine],
         believed: Mapping[str, CalibrationProfile | None],
         *,
         scrape_interval_s: float = 0.0,
@@ -44,9 +46,9 @@ class RouterReplica:
         prefix_index: bool = False,
     ) -> None:
         self.prefill = list(prefill)
-        self.decode = list(decode)
-        names = [e.name for e in self.prefill] + [e.name for e in self.decode]
-        self.profiles = {name: believed.get(name) for name in names}
+        # Not copied: the simulator changes the serving decode instances in place as it scales.
+        self.decode = decode
+        self.profiles = dict(believed)
         self.ledger = Ledger()
         self.scrape_interval_s = scrape_interval_s
         self._next_scrape = phase_s

@@ -2,8 +2,9 @@
 
 `RunSpec` carries everything a run needs (trace, pool sizes, profiles, policy, seed) and
 `execute` turns it into one JSON row: the row schema shared by `sim paper` and `sim run`.
-`run_all` executes many specs on a process pool with a progress bar and returns rows in spec
-order, so the output does not depend on the number of workers.
+`run_all` executes many specs (these, or another experiment's with its own `run`) on a process
+pool with a progress bar and returns rows in spec order, so the output does not depend on the
+number of workers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
 
-__all__ = ["RunSpec", "execute", "run_all"]
+__all__ = ["RunSpec", "execute", "run_all", "staged"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +107,19 @@ def _workers() -> int:
 
 
 def run_all(
-    specs: Sequence[RunSpec],
+    specs: Sequence[Any],
     *,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    run: Callable[[Any], dict[str, Any]] = execute,
 ) -> list[dict[str, Any]]:
-    """Execute specs (in parallel when workers > 1); rows come back in spec order."""
+    """Execute specs with `run` (in parallel when workers > 1); rows come back in spec order.
+    A spec has `trace` and `instances` (the longest runs start first)."""
     workers = workers or _workers()
     if workers == 1 or len(specs) <= 1:
         rows = []
         for spec in specs:
-            rows.append(execute(spec))
+            rows.append(run(spec))
             if progress:
                 progress(1)
         return rows
@@ -128,9 +131,25 @@ def run_all(
             range(len(specs)), key=lambda i: -len(specs[i].trace) * len(specs[i].instances)
         )
         for i, row in zip(
-            order, pool.imap(execute, [specs[i] for i in order], chunksize=1), strict=True
+            order, pool.imap(run, [specs[i] for i in order], chunksize=1), strict=True
         ):
             rows_by_index[i] = row
             if progress:
                 progress(1)
     return [rows_by_index[i] for i in range(len(specs))]
+
+
+def staged(
+    progress: Callable[[str, int, int], None] | None, stage: str, total: int
+) -> Callable[[int], None]:
+    """A `run_all` progress callback (increments) reporting ``(stage, done, total)`` to
+    `progress`, the callback every experiment takes."""
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(stage, done, total)
+
+    return tick

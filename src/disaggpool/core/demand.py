@@ -1,0 +1,191 @@
+"""The traffic of the recent past, as an autoscaler reads it: rate, trend, burstiness, mix, SLOs.
+
+A `DemandWindow` is fed what a router sees (each arrival, each finished request with its
+latencies against its class's targets) and summarises the last `window_s` seconds as a `Demand`:
+
+* **rate** and its **trend**: arrivals per second, and the least-squares slope of the per-bin
+  rate over the window (req/s per s), so a scaler can look one cold start ahead;
+* **burstiness**: the index of dispersion of the per-bin arrival counts around their trend
+  (residual variance / mean; 1 for Poisson arrivals) over the longer `burst_window_s`, so
+  bursts that come every few minutes are remembered between them. The trend is a centred moving
+  average `trend_s` wide, about as fast as a scaler can follow (a cold start and a window): what
+  moves slower is followed by scaling, what moves faster must be absorbed by headroom. With bins
+  near a decode request's residence time R, D = 1 + R Var(rate) / mean rate, exactly the factor
+  by which a modulated rate widens the number of sequences in an M/G/infinity pool
+  (`core.autoscaling`);
+* **mix**: mean prompt and output tokens of the last `mix_requests` finished requests (however
+  old: a pool that finishes nothing for a while still knows its mix), and the traffic
+  heterogeneity of `core.heterogeneity` (the coefficient of variation of prompt + output tokens);
+* **SLO attainment**: the P90 of TTFT / target and TPOT / target over the requests finished in
+  the window.
+
+Pure: the caller passes `now` with every call; O(1) amortised per observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+from disaggpool.core.stats import coefficient_of_variation, percentile
+
+__all__ = ["Demand", "DemandWindow"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Demand:
+    """The last `window_s` seconds of traffic (see the module docstring)."""
+
+    now: float
+    window_s: float
+    arrival_rps: float
+    rate_slope: float  # req/s per second
+    dispersion: float  # index of dispersion of per-bin arrival counts; 1 = Poisson
+    bursts_known: bool  # the burst window is full: `dispersion` has seen all it should
+    mean_prompt: float
+    mean_output: float
+    work_cv: float  # heterogeneity: CV of prompt + output tokens per finished request
+    ttft_ratio_p90: float  # P90 of TTFT / the class's TTFT target; 0 with nothing finished
+    tpot_ratio_p90: float
+    finished: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Done:
+    at: float
+    prompt: int
+    output: int
+    ttft_ratio: float
+    tpot_ratio: float
+
+
+class DemandWindow:
+    """A sliding window over arrivals and completions (see the module docstring)."""
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        bin_s: float = 5.0,
+        burst_window_s: float = 600.0,
+        trend_s: float = 120.0,
+        mix_requests: int = 512,
+    ) -> None:
+        if not (bin_s > 0 and window_s >= 2 * bin_s and burst_window_s >= max(window_s, trend_s)):
+            raise ValueError(
+                "need bin_s > 0, window_s >= 2 * bin_s and burst_window_s >= window_s, trend_s: "
+                f"bin_s={bin_s!r}, window_s={window_s!r}, burst_window_s={burst_window_s!r}, "
+                f"trend_s={trend_s!r}"
+            )
+        if mix_requests < 2:
+            raise ValueError(f"mix_requests must be at least 2, got {mix_requests!r}")
+        self.window_s = window_s
+        self.bin_s = bin_s
+        self.burst_window_s = burst_window_s
+        self._trend_bins = max(1, round(trend_s / bin_s))
+        self._arrivals: deque[float] = deque()
+        self._done: deque[_Done] = deque()
+        self._mix: deque[_Done] = deque(maxlen=mix_requests)
+        self._started: float | None = None  # first observation: a window not yet full is shorter
+
+    def arrived(self, now: float) -> None:
+        self._note(now)
+        self._arrivals.append(now)
+
+    def finished(
+        self, now: float, prompt: int, output: int, ttft_ratio: float, tpot_ratio: float
+    ) -> None:
+        """A request finished; `*_ratio`: its latency over its class's target (1 = on target)."""
+        self._note(now)
+        done = _Done(now, prompt, output, ttft_ratio, tpot_ratio)
+        self._done.append(done)
+        self._mix.append(done)
+
+    def _note(self, now: float) -> None:
+        if self._started is None:
+            self._started = now
+
+    def _evict(self, now: float) -> None:
+        while self._arrivals and self._arrivals[0] < now - self.burst_window_s:
+            self._arrivals.popleft()
+        while self._done and self._done[0].at < now - self.window_s:
+            self._done.popleft()
+
+    def _counts(self, now: float, span_s: float) -> list[int]:
+        """Arrivals per bin over the last `span_s` (whole bins, at least one)."""
+        n_bins = max(1, int(span_s / self.bin_s))
+        counts = [0] * n_bins
+        start = now - n_bins * self.bin_s
+        for t in self._arrivals:
+            if t >= start:
+                counts[min(n_bins - 1, int((t - start) / self.bin_s))] += 1
+        return counts
+
+    def _span(self, now: float, window_s: float) -> float:
+        """The window, or less while the observations are younger than it."""
+        return window_s if self._started is None else min(window_s, now - self._started)
+
+    def demand(self, now: float) -> Demand:
+        self._evict(now)
+        span = self._span(now, self.window_s)
+        counts = self._counts(now, span)
+        span = len(counts) * self.bin_s if span >= self.bin_s else max(span, 1e-9)
+        done = list(self._done)
+        mix = list(self._mix)
+        work = [float(d.prompt + d.output) for d in mix]
+        return Demand(
+            now=now,
+            window_s=span,
+            arrival_rps=sum(counts) / span,
+            rate_slope=_slope(counts, self.bin_s),
+            dispersion=_dispersion(
+                self._counts(now, self._span(now, self.burst_window_s)), self._trend_bins
+            ),
+            bursts_known=self._span(now, self.burst_window_s) >= self.burst_window_s,
+            mean_prompt=_mean([d.prompt for d in mix]),
+            mean_output=_mean([d.output for d in mix]),
+            work_cv=0.0 if len(work) < 2 else _finite(coefficient_of_variation(work)),
+            ttft_ratio_p90=percentile([d.ttft_ratio for d in done], 90) if done else 0.0,
+            tpot_ratio_p90=percentile([d.tpot_ratio for d in done], 90) if done else 0.0,
+            finished=len(done),
+        )
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def _dispersion(counts: list[int], trend_bins: int) -> float:
+    """Variance of the bin counts around their centred moving average of `trend_bins` bins,
+    over their mean (1 for Poisson); 1 when there is too little to say (fewer than two trend
+    widths). The trend is taken out so that a daily swing is not mistaken for bursts."""
+    n = len(counts)
+    mean = sum(counts) / n
+    if n < 2 * trend_bins or mean <= 0 or trend_bins < 2:
+        return 1.0
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    half = trend_bins // 2
+    squares = 0.0
+    for i, c in enumerate(counts):
+        lo, hi = max(0, i - half), min(n, i + half + 1)
+        squares += (c - (prefix[hi] - prefix[lo]) / (hi - lo)) ** 2
+    # A moving average of k bins absorbs 1/k of each bin's own noise: correct for it.
+    return squares / n / (1.0 - 1.0 / trend_bins) / mean
+
+
+def _slope(counts: list[int], bin_s: float) -> float:
+    """Least-squares slope of the per-bin rate against time (req/s per s); 0 under 3 bins."""
+    n = len(counts)
+    if n < 3:
+        return 0.0
+    xs = [(i + 0.5) * bin_s for i in range(n)]
+    ys = [c / bin_s for c in counts]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx

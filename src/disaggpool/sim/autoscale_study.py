@@ -1,0 +1,237 @@
+"""`disaggpool sim autoscale`: decode autoscalers side by side on time-varying traffic.
+
+One experiment, `experiments.autoscale` in the JSON: every traffic shape of
+`sim.autoscale_traffic` x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds,
+on the same pool and the same routing policy (`calibrated`, the router scraping every second):
+
+* Pool: the study's configuration, Qwen2.5-3B on A40s with a 60k-token KV budget
+  (`a40-qwen2.5-3b`, where chat traffic is decode-bound), 4 prefill pods (fixed: only decode is
+  scaled) and 1..6 decode pods; every autoscaler starts from the static pool (6 serving), as a
+  deployment that turns autoscaling on does.
+* Traffic: each shape peaks at the rate the 6-decode pool serves at 75% of its decode capacity
+  for chat (`decode_capacity`, Little's law at the TPOT target), over `duration_s`.
+* SLOs: the classes of `sim.capacity.slo_targets` for the Azure chat + code mix.
+* Timing: a new decode pod serves `startup_s` after it is asked for (engine load and probe);
+  the autoscalers act every 5 s on a 60 s window, scale down after a 120 s stabilisation window.
+
+Rows: ``{"trace", "autoscaler", "seed", "goodput", "gpu_hours", "decode_gpu_hours",
+"scale_events", "max_decode", "mean_decode", "misses", "requests", "timeline"}``. Findings per
+trace: each autoscaler's mean goodput and GPU-hours, and ours against the static peak pool and
+against every other autoscaler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from disaggpool.core.autoscaling import Bounds, decode_capacity
+from disaggpool.core.autoscaling_baselines import AUTOSCALERS, make_autoscaler
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.predictor import make_predictor
+from disaggpool.formats.embedded import azure_services
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim.autoscale_traffic import SHAPES, shaped_trace
+from disaggpool.sim.capacity import slo_targets
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
+from disaggpool.sim.elastic import ElasticController
+from disaggpool.sim.metrics import summarize
+from disaggpool.sim.operating_point import Progress
+from disaggpool.sim.pools import perturbed
+from disaggpool.sim.runner import run_all, staged
+
+__all__ = ["AutoscaleConfig", "AutoscaleSpec", "execute_autoscale", "run_autoscale"]
+
+PROFILE = "a40-qwen2.5-3b"
+PEAK_FILL = 0.75  # the peak as a share of the largest pool's decode capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscaleConfig:
+    """Sizes of the experiment; `quick()` runs every shape short, one seed."""
+
+    duration_s: float = 1800.0
+    seeds: tuple[int, ...] = (1, 2, 3)
+    shapes: tuple[str, ...] = tuple(SHAPES)
+    autoscalers: tuple[str, ...] = AUTOSCALERS
+    n_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 6
+    startup_s: float = 60.0
+    stabilization_s: float = 120.0
+    target_goodput: float = 0.99  # the static peak pool's own level: the aim is to match it
+
+    @classmethod
+    def quick(cls) -> AutoscaleConfig:
+        """A smaller pool (2 prefill, up to 3 decode, so a lower peak) for 900 s, one seed."""
+        return cls(duration_s=900.0, seeds=(1,), n_prefill=2, max_decode=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscaleSpec:
+    """One run: a trace, the pool that may run (decode pods beyond the first `initial` on
+    standby), an autoscaler and its bounds."""
+
+    trace_name: str
+    trace: tuple[TraceRequest, ...]
+    instances: tuple[InstanceSpec, ...]
+    slo_classes: tuple[SLOClass, ...]
+    autoscaler: str
+    bounds: Bounds
+    seed: int
+    target_goodput: float = 0.9
+    policy: str = "calibrated"
+    scrape_interval_s: float = 1.0
+
+
+def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
+    """Run one spec; its JSON row."""
+    classes = {c.name: c for c in spec.slo_classes}
+    decode = [i for i in spec.instances if i.role == "decode"]
+    believed = {i.name: i.believed_profile or i.true_profile for i in spec.instances}
+    tpot = min(c.tpot_s for c in spec.slo_classes)
+    scaler = make_autoscaler(
+        spec.autoscaler,
+        spec.bounds,
+        [believed[i.name] for i in decode],
+        tpot,
+        spec.target_goodput,
+    )
+    controller = ElasticController(
+        scaler,
+        [i.name for i in sorted(decode, key=lambda i: i.standby)],
+        believed,
+        classes,
+        prefill_pods=len(spec.instances) - len(decode),
+        startup_s=spec.bounds.startup_s,
+    )
+    sim = Simulation(
+        spec.instances,
+        policies=[make_policy(spec.policy)],
+        predictor=make_predictor("online"),
+        slo_classes=classes,
+        default_class=spec.slo_classes[0].name,
+        seed=spec.seed,
+        router=RouterOptions(scrape_interval_s=spec.scrape_interval_s),
+        controller=controller,
+    )
+    controller.attach(sim)
+    outcome = sim.run(spec.trace)
+    controller.close(outcome.end_time)
+    summary = summarize(outcome, classes)
+    tl = controller.timeline
+    pods = [s + st + d for s, st, d in zip(tl.serving, tl.starting, tl.draining, strict=True)]
+    return {
+        "trace": spec.trace_name,
+        "autoscaler": spec.autoscaler,
+        "seed": spec.seed,
+        "goodput": summary["goodput"],
+        "gpu_hours": round(controller.gpu_s / 3600.0, 4),
+        "decode_gpu_hours": round(controller.decode_gpu_s / 3600.0, 4),
+        "scale_events": controller.scale_events,
+        "max_decode": max(pods, default=0),
+        "mean_decode": round(controller.decode_gpu_s / max(outcome.end_time, 1e-9), 3),
+        "misses": summary["misses"],
+        "requests": summary["requests"],
+        "timeline": {
+            "t": [round(t, 1) for t in tl.t],
+            "decode_pods": pods,
+            "serving": tl.serving,
+            "rate_rps": [round(r, 3) for r in tl.rate_rps],
+        },
+    }
+
+
+def run_autoscale(
+    cfg: AutoscaleConfig, *, workers: int | None = None, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Every shape x autoscaler x seed; the JSON document."""
+    services = azure_services()
+    profile = builtin_profile(PROFILE)
+    mix = [r for rs in services.values() for r in rs]
+    slo = slo_targets(profile, mix)
+    chat = services["chat"]
+    capacity = decode_capacity(
+        profile,
+        statistics.fmean(r.prompt_tokens for r in chat),
+        statistics.fmean(r.output_tokens for r in chat),
+        min(c.tpot_s for c in slo.values()),
+    )
+    peak = PEAK_FILL * cfg.max_decode * capacity.rps
+    bounds = Bounds(cfg.min_decode, cfg.max_decode, cfg.startup_s, cfg.stabilization_s)
+    specs = []
+    for shape in cfg.shapes:
+        for seed in cfg.seeds:
+            trace = tuple(shaped_trace(shape, peak, cfg.duration_s, services, seed))
+            for name in cfg.autoscalers:
+                specs.append(
+                    AutoscaleSpec(
+                        shape,
+                        trace,
+                        _pool(cfg, seed),
+                        tuple(slo.values()),
+                        name,
+                        bounds,
+                        seed,
+                        cfg.target_goodput,
+                    )
+                )
+    tick = staged(progress, "runs", len(specs))
+    rows = run_all(specs, workers=workers, progress=tick, run=execute_autoscale)
+    return {
+        "config": dataclasses.asdict(cfg),
+        "setup": {"profile": PROFILE, "peak_rps": round(peak, 3), "slo": _slo_doc(slo)},
+        "experiments": {"autoscale": rows},
+        "findings": {"autoscale": findings(rows)},
+    }
+
+
+def _slo_doc(slo: dict[str, SLOClass]) -> dict[str, Any]:
+    return {n: {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s} for n, c in slo.items()}
+
+
+def _pool(cfg: AutoscaleConfig, seed: int) -> tuple[InstanceSpec, ...]:
+    """`cfg.n_prefill` prefill pods and `cfg.max_decode` decode pods, all serving at first; the
+    router believes each with the usual 3% fit error."""
+    base = builtin_profile(PROFILE)
+    rng = random.Random(f"autoscale-pool:{seed}")
+    out = []
+    for i in range(cfg.n_prefill):
+        true = base.scaled(1.0, name=f"prefill-{i}")
+        out.append(InstanceSpec(true.name, "prefill", true, perturbed(true, rng, 0.03)))
+    for i in range(cfg.max_decode):
+        true = base.scaled(1.0, name=f"decode-{i}")
+        believed = perturbed(true, rng, 0.03)
+        out.append(InstanceSpec(true.name, "decode", true, believed))
+    return tuple(out)
+
+
+def findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per trace: mean goodput and GPU-hours per autoscaler; ours against the static peak pool
+    (goodput points, GPU-hours saved) and whether it used fewer GPU-hours than every other
+    autoscaler that reached its goodput or better."""
+    out: dict[str, Any] = {}
+    for trace in dict.fromkeys(r["trace"] for r in rows):
+        mine = [r for r in rows if r["trace"] == trace]
+        names = list(dict.fromkeys(r["autoscaler"] for r in mine))
+        good = {n: _mean(mine, n, "goodput") for n in names}
+        hours = {n: _mean(mine, n, "gpu_hours") for n in names}
+        f: dict[str, Any] = {"goodput": good, "gpu_hours": hours}
+        if "disaggpool" in good:
+            ours_g, ours_h = good["disaggpool"], hours["disaggpool"]
+            if "static_peak" in good:
+                f["vs_static_points"] = round(100 * (ours_g - good["static_peak"]), 2)
+                f["gpu_hours_saved"] = round(1 - ours_h / hours["static_peak"], 4)
+            rivals = [n for n in names if n != "disaggpool" and good[n] >= ours_g - 1e-9]
+            f["cheaper_than_every_rival_at_equal_goodput"] = all(ours_h < hours[n] for n in rivals)
+        out[trace] = f
+    return out
+
+
+def _mean(rows: Sequence[dict[str, Any]], name: str, key: str) -> float:
+    return round(statistics.fmean(r[key] for r in rows if r["autoscaler"] == name), 4)

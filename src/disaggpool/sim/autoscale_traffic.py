@@ -1,0 +1,86 @@
+"""Time-varying traffic for the autoscaling experiment: the Azure 2023 requests on a moving rate.
+
+A shape is the arrival rate as a fraction of the peak over the run (`SHAPES`), arrivals are a
+non-homogeneous Poisson process drawn by thinning, and each arrival takes the lengths of a request
+drawn from the embedded Azure 2023 services (chat: conversation, code: code completion):
+
+* `diurnal`: one day compressed into the run, from a night trough of 15% to the peak and back;
+* `ramp`: 15% -> 100% over the first 40% of the run, held for 20%, back down over the last 40%;
+* `bursts`: 35% with a burst at the peak for 60 s of every 300 s;
+* `shift`: a constant 60% whose mix shifts halfway from chat only to half chat, half code: the
+  rate stays, the heterogeneity and the work per request change (what a rate-only scaler misses).
+
+Deterministic in its seed. Pure apart from reading the embedded traces.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+
+from disaggpool.formats.traces import TraceRequest
+
+__all__ = ["SHAPES", "shaped_trace"]
+
+TROUGH = 0.15
+
+
+def _diurnal(x: float) -> float:
+    return TROUGH + (1 - TROUGH) * (1 - math.cos(2 * math.pi * x)) / 2
+
+
+def _ramp(x: float) -> float:
+    if x < 0.4:
+        return TROUGH + (1 - TROUGH) * x / 0.4
+    if x < 0.6:
+        return 1.0
+    return TROUGH + (1 - TROUGH) * (1 - x) / 0.4
+
+
+def _shift(x: float) -> float:
+    return 0.6
+
+
+#: shape -> (rate as a fraction of the peak at fraction x of the run, code share at x)
+SHAPES: Mapping[str, tuple[Callable[[float], float], Callable[[float], float]]] = {
+    "diurnal": (_diurnal, lambda x: 0.0),
+    "ramp": (_ramp, lambda x: 0.0),
+    "bursts": (lambda x: 0.0, lambda x: 0.0),  # time-based: see `_rate`
+    "shift": (_shift, lambda x: 0.0 if x < 0.5 else 0.5),
+}
+BURST_EVERY_S, BURST_S, BURST_BASE = 300.0, 60.0, 0.35
+
+
+def _rate(shape: str, t: float, duration_s: float) -> float:
+    if shape == "bursts":
+        return 1.0 if (t % BURST_EVERY_S) >= BURST_EVERY_S - BURST_S else BURST_BASE
+    return SHAPES[shape][0](t / duration_s)
+
+
+def shaped_trace(
+    shape: str,
+    peak_rps: float,
+    duration_s: float,
+    services: Mapping[str, Sequence[TraceRequest]],
+    seed: int,
+) -> list[TraceRequest]:
+    """Arrivals over `duration_s` at `peak_rps` times the shape's rate; lengths and SLO class from
+    `services` (``chat`` and ``code``, as `formats.embedded.azure_services` gives them)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown traffic shape {shape!r}; choose from {', '.join(SHAPES)}")
+    if not (peak_rps > 0 and duration_s > 0):
+        raise ValueError(f"peak_rps and duration_s must be positive: {peak_rps!r}, {duration_s!r}")
+    rng = random.Random(f"autoscale:{shape}:{seed}")
+    code_share = SHAPES[shape][1]
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak_rps)  # thinning: candidates at the peak rate, kept by ratio
+        if t >= duration_s:
+            return out
+        if rng.random() > _rate(shape, t, duration_s):
+            continue
+        service = "code" if rng.random() < code_share(t / duration_s) else "chat"
+        lengths = rng.choice(services[service])
+        out.append(TraceRequest(t, lengths.prompt_tokens, lengths.output_tokens, slo_class=service))

@@ -1,0 +1,90 @@
+"""The window of recent traffic an autoscaler reads (core.demand)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from disaggpool.core.demand import DemandWindow
+
+
+def feed(window: DemandWindow, times: list[float]) -> None:
+    for t in times:
+        window.arrived(t)
+
+
+def poisson(rate_at, start: float, end: float, seed: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Arrivals of a Poisson process of rate `rate_at(t)` (<= 50) by thinning."""
+    rng = random.Random(seed)
+    out, t = [], start
+    while True:
+        t += rng.expovariate(50.0)
+        if t >= end:
+            return out
+        if rng.random() < rate_at(t) / 50.0:
+            out.append(t)
+
+
+def test_rate_and_trend_of_a_steady_ramp() -> None:
+    w = DemandWindow(window_s=60.0, bin_s=5.0)
+    # Exactly k + 1 arrivals in bin k of the last minute: the rate rises 1/5 req/s every 5 s.
+    times = [k * 5.0 + 5.0 * j / (k + 1) for k in range(12) for j in range(k + 1)]
+    feed(w, times)
+    d = w.demand(60.0)
+    assert d.arrival_rps == pytest.approx(sum(range(1, 13)) / 60.0)
+    assert d.rate_slope == pytest.approx(0.2 / 5.0)
+    assert d.window_s == 60.0
+
+
+def test_a_young_window_divides_by_what_it_has_seen() -> None:
+    w = DemandWindow(window_s=60.0, bin_s=5.0)
+    feed(w, [0.0] + [1.0 + 0.5 * i for i in range(38)])  # 39 arrivals over the first 20 s
+    d = w.demand(20.0)
+    assert d.window_s == 20.0
+    assert d.arrival_rps == pytest.approx(39 / 20.0)
+    assert not d.bursts_known
+
+
+def test_poisson_arrivals_have_dispersion_near_one_even_under_a_daily_swing() -> None:
+    w = DemandWindow(window_s=60.0, bin_s=5.0, burst_window_s=600.0, trend_s=120.0)
+    feed(w, poisson(lambda t: 20.0, 0.0, 600.0, seed=1))
+    assert 0.7 < w.demand(600.0).dispersion < 1.3
+    swing = DemandWindow(window_s=60.0, bin_s=5.0, burst_window_s=600.0, trend_s=120.0)
+    feed(swing, poisson(lambda t: 20.0 + 15.0 * math.sin(2 * math.pi * t / 1200.0), 0, 600, 2))
+    d = swing.demand(601.0)
+    assert 0.6 < d.dispersion < 1.6 and d.bursts_known
+
+
+def test_bursts_faster_than_the_trend_show_as_dispersion() -> None:
+    w = DemandWindow(window_s=60.0, bin_s=5.0, burst_window_s=600.0, trend_s=120.0)
+    feed(w, poisson(lambda t: 40.0 if t % 300 >= 240 else 12.0, 0.0, 600.0, seed=3))
+    assert w.demand(600.0).dispersion > 5.0
+
+
+def test_mix_comes_from_the_last_finished_requests_and_slo_ratios_from_the_window() -> None:
+    w = DemandWindow(window_s=60.0, bin_s=5.0, mix_requests=4)
+    for i, (p, o) in enumerate([(9999, 9999), (100, 10), (300, 30), (100, 10), (300, 30)]):
+        w.finished(float(i), p, o, ttft_ratio=0.1 * (i + 1), tpot_ratio=0.5)
+    d = w.demand(10.0)
+    assert d.mean_prompt == 200.0 and d.mean_output == 20.0  # the oldest fell out of the mix
+    assert d.work_cv == pytest.approx(0.5)  # works 110, 330, 110, 330
+    assert d.ttft_ratio_p90 == pytest.approx(0.5) and d.finished == 5
+    later = w.demand(200.0)  # nothing finished in the window: the mix stays, the ratios go
+    assert later.mean_output == 20.0 and later.finished == 0 and later.ttft_ratio_p90 == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(window_s=5.0, bin_s=5.0),
+        dict(bin_s=0.0),
+        dict(window_s=120.0, burst_window_s=60.0),
+        dict(trend_s=900.0),
+        dict(mix_requests=1),
+    ],
+)
+def test_bad_windows_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        DemandWindow(**kwargs)  # type: ignore[arg-type]
