@@ -23,6 +23,7 @@ __all__ = [
     "COMPONENT_LABEL",
     "COMPONENT_ROUTER",
     "CONFIG_HASH_ANNOTATION",
+    "DECODE_RECOMMENDATION_ANNOTATION",
     "GPU_TYPE_ANNOTATION",
     "GROUP",
     "K8S_COMPONENT_LABEL",
@@ -83,6 +84,8 @@ SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 OBSERVED_ERROR_ANNOTATION = f"{GROUP}/observed-error"
 GPU_TYPE_ANNOTATION = f"{GROUP}/gpu-type"
+# The router's decode autoscaler writes its recommendation on its pool; the operator applies it.
+DECODE_RECOMMENDATION_ANNOTATION = f"{GROUP}/decode-recommendation"
 
 # Keys of a profile ConfigMap's data (what the probe writes, what the operator and sidecar read).
 PROFILE_KEY = "profile.yaml"

@@ -372,5 +372,5 @@ def test_operator_spec_reports_every_problem_once_in_document_order() -> None:
         "spec.router.maxInflight: must be >= 1, got 0",
         "spec.calibration.enabled: must be true or false, got 'yes'",
         "spec.calibration.maxPredictionError: must be >= 0, got -1",
-        "spec.autoscaling.targetGoodput: a fraction of requests: must be <= 1",
+        "spec.autoscaling.targetGoodput: a fraction of requests in [0.5, 1)",
     ]

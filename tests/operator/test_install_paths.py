@@ -223,6 +223,7 @@ def test_crd_schema_uses_only_schema_keywords() -> None:
     allowed = {
         "type", "description", "properties", "required", "items", "enum", "minimum", "maximum",
         "minLength", "maxLength", "pattern", "additionalProperties", "exclusiveMinimum",
+        "exclusiveMaximum",
         "format", "x-kubernetes-preserve-unknown-fields",
     }  # fmt: skip
     stray: list[str] = []

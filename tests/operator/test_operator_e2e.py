@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from k8s_cluster import Cluster, require_k8s, running_cluster
 from operator_testkit import (
     CHART,
@@ -314,3 +315,124 @@ def test_helm_install_upgrade_uninstall(cluster: Cluster, tmp_path: Path) -> Non
     assert "dp-disaggpool-operator" not in left
     # The CRD stays (Helm never deletes CRDs from crds/): pools survive an uninstall.
     assert _json(cluster, "crd", "disaggpools.disaggpool.io")["metadata"]["name"]
+
+
+@pytest.mark.asyncio
+async def test_decode_autoscaling_from_the_routers_recommendation(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The loop's Kubernetes half on a real API server: the router's autoscaler (real code, the
+    router's own service-account token, so its Role is exercised) writes a recommendation on its
+    pool; a reconcile pass scales the decode Deployment within the bounds, with an Event and
+    `status.autoscaling`; a bad autoscaling spec is flagged and leaves the pool as it runs."""
+    from disaggpool.core.profile import CalibrationProfile
+    from disaggpool.sidecar.autoscale import AutoscalerTask
+    from disaggpool.sidecar.config import Member, parse_config
+    from disaggpool.sidecar.service import RoutingService
+    from disaggpool.sidecar.state import Gauges
+
+    cluster.kubectl("create", "namespace", "scale")
+    cr = load_sample("small.yaml")
+    cr["metadata"]["namespace"] = "scale"
+    cr["spec"]["decode"] = {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}
+    cr["spec"]["autoscaling"] = {"enabled": True, "startupSeconds": 60}
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
+    deployment = ("deployment", "small-decode", "-n", "scale")
+    kube = Kube.from_environment(str(cluster.kubeconfig))
+    try:
+        await reconcile(kube, "scale", "small", default_image="disaggpool:test")
+        assert _json(cluster, *deployment)["spec"]["replicas"] == 1
+        status = _json(cluster, "dpool", "small", "-n", "scale")["status"]
+        assert status["autoscaling"]["source"] == "spec"
+        assert status["decode"]["selector"] == "disaggpool.io/pool=small,disaggpool.io/role=decode"
+
+        # The router, as the operator renders its config, with a decode pod it has profiled
+        # and a busy minute of traffic behind it.
+        rendered = _json(cluster, "configmap", "small-router", "-n", "scale")["data"]
+        config = parse_config(yaml.safe_load(rendered["sidecar.yaml"]), "sidecar.yaml")
+        assert config.autoscaling is not None and config.autoscaling.pool_name == "small"
+        clock = [1000.0]
+        service = RoutingService(
+            dataclasses.replace(config, members_kubernetes=None, profiles_kubernetes=None),
+            clock=lambda: clock[0],
+        )
+        service.state.set_members([Member("small-decode-a", "decode", "http://127.0.0.1:1")])
+        profile: CalibrationProfile = dataclasses.replace(
+            builtin_profile("a40-llama3-8b"), quality="good"
+        )
+        service.state.set_profile("small-decode-a", profile, clock[0])
+        service.state.scraped("small-decode-a", Gauges(40, 12, 0.9, 190_000), clock[0])
+        for i in range(3000):  # 50 req/s over the last minute
+            service.demand.arrived(940.0 + i / 50.0)
+        for _ in range(100):
+            service.demand.finished(990.0, 1000, 200, 0.5, 0.5)
+        token = cluster.sa_token("scale", "small-router")
+        router_cfg = cluster.kubeconfig_for(tmp_path / "router", token)
+        task = AutoscalerTask(
+            config.autoscaling, service, None,  # type: ignore[arg-type]
+            kube=lambda: Kube.from_environment(str(router_cfg)),
+        )  # fmt: skip
+        decision = await task.step()
+        # 50 req/s needs 9 pods of this profile; the router's own bounds (rendered from the
+        # pool's) cap its recommendation at 3.
+        assert decision is not None and decision.replicas == 3 and "-> 9" in decision.reason
+        pool = _json(cluster, "dpool", "small", "-n", "scale")
+        written = json.loads(pool["metadata"]["annotations"]["disaggpool.io/decode-recommendation"])
+        assert written["replicas"] == decision.replicas
+
+        # Its Role lets it write its own pool and no other.
+        other = load_sample("small.yaml")
+        other["metadata"].update(name="other", namespace="scale")
+        cluster.kubectl("apply", "-f", "-", stdin=json.dumps(other))
+        router_kube = Kube.from_environment(str(router_cfg))
+        with pytest.raises(Exception, match="403"):
+            await router_kube.merge_patch(
+                "/apis/disaggpool.io/v1alpha1/namespaces/scale/disaggpools/other",
+                {"metadata": {"annotations": {"x": "y"}}},
+            )
+        await router_kube.close()
+
+        await reconcile(kube, "scale", "small", default_image="disaggpool:test")
+        assert _json(cluster, *deployment)["spec"]["replicas"] == 3
+        status = _json(cluster, "dpool", "small", "-n", "scale")["status"]
+        assert status["autoscaling"]["replicas"] == 3
+        assert status["autoscaling"]["recommendedReplicas"] == 3
+        assert status["autoscaling"]["reason"] == decision.reason
+        events = _json(cluster, "events", "-n", "scale")["items"]
+        scaled = [e["message"] for e in events if e["reason"] == "DecodeScaled"]
+        assert any(m.startswith("decode 1 -> 3") for m in scaled), scaled
+
+        # A bad autoscaling spec: Degraded, naming the field; the pool keeps running as it is.
+        cluster.kubectl(
+            "patch", "dpool", "small", "-n", "scale", "--type=merge",
+            "-p", json.dumps({"spec": {"decode": {"minReplicas": 4}}}),
+        )  # fmt: skip
+        result = await reconcile(kube, "scale", "small", default_image="disaggpool:test")
+        assert any(i.field.endswith("minReplicas") for i in result.issues)
+        status = _json(cluster, "dpool", "small", "-n", "scale")["status"]
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and "minReplicas" in degraded["message"]
+        assert _json(cluster, *deployment)["spec"]["replicas"] == 3
+
+        # The other path: autoscaling off, an HPA (here `kubectl scale`) drives decode.replicas
+        # through the scale subresource.
+        cluster.kubectl(
+            "patch", "dpool", "small", "-n", "scale", "--type=merge",
+            "-p", json.dumps({"spec": {"decode": {"minReplicas": 1}, "autoscaling": None}}),
+        )  # fmt: skip
+        cluster.kubectl("scale", "dpool", "small", "-n", "scale", "--replicas=2")
+        await reconcile(kube, "scale", "small", default_image="disaggpool:test")
+        assert _json(cluster, *deployment)["spec"]["replicas"] == 2
+        scale = json.loads(
+            cluster.kubectl(
+                "get",
+                "--raw",
+                "/apis/disaggpool.io/v1alpha1/namespaces/scale/disaggpools/small/scale",
+            )
+        )
+        assert scale["spec"]["replicas"] == 2
+        assert scale["status"]["selector"] == "disaggpool.io/pool=small,disaggpool.io/role=decode"
+        await task.stop()
+    finally:
+        await kube.close()
+        cluster.kubectl("delete", "namespace", "scale", "--wait=false")

@@ -201,24 +201,33 @@ def test_killing_a_decode_pod_mid_run_loses_no_request(start_pool, start_sidecar
     assert met + missed == ok and lost == failed  # the counts add up
 
 
+async def completions(
+    url: str, *, waves: int, per_wave: int, base: int, step: int, max_tokens: int
+) -> None:
+    """`waves` rounds of `per_wave` concurrent completions, request i of `base + step * i`
+    words, each expected to succeed."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+
+        async def one(i: int) -> None:
+            body = {
+                "prompt": "word " * (base + step * i),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        for wave in range(waves):
+            await asyncio.gather(*(one(per_wave * wave + i) for i in range(per_wave)))
+
+
 def test_calibrated_sends_less_work_to_a_slower_pod(start_pool, start_sidecar) -> None:
     pool = start_pool([A40.scaled(3.0)], [A40, A40.scaled(0.35)])
     sc = start_sidecar(pool, slo_classes=[{"name": "chat", "ttft_s": 3.0, "tpot_s": 0.06}])
 
-    async def burst() -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession() as s:
-
-            async def one(i: int) -> None:
-                body = {"prompt": "word " * (50 + 7 * i), "max_tokens": 40, "ignore_eos": True}
-                async with s.post(f"{sc.url}/v1/completions", json=body) as r:
-                    assert r.status == 200, await r.text()
-
-            for wave in range(6):
-                await asyncio.gather(*(one(8 * wave + i) for i in range(8)))
-
-    asyncio.run(burst())
+    asyncio.run(completions(sc.url, waves=6, per_wave=8, base=50, step=7, max_tokens=40))
     fast = metric(sc.url, "disaggpool_route_decisions_total", role="decode", pod="d0")
     slow = metric(sc.url, "disaggpool_route_decisions_total", role="decode", pod="d1")
     assert fast + slow == 48
@@ -336,3 +345,25 @@ def test_priority_scheduling_sends_the_decisions_priority_on_both_legs(
     status, out = post(f"{sc.url}/v1/completions", {**body, "priority": "high"})
     assert status == 400 and out["error"]["param"] == "priority"
     assert idle(sc) and idle(plain)
+
+
+def test_the_routers_autoscaler_reads_the_traffic_it_routes(start_pool, start_sidecar) -> None:
+    """The decode autoscaler on live traffic through the front door (metrics only: no pool to
+    write to): it sees the arrivals and completions and recommends within its bounds."""
+    pool = start_pool([A40.scaled(3.0)], [A40])
+    sc = start_sidecar(pool, autoscaling={"min_replicas": 1, "max_replicas": 4, "period_s": 0.2})
+    assert metric(sc.url, "disaggpool_demand_requests_per_second") == 0.0
+
+    asyncio.run(completions(sc.url, waves=1, per_wave=24, base=40, step=5, max_tokens=30))
+    wait_until(
+        lambda: (
+            metric(sc.url, "disaggpool_demand_requests_per_second") > 0
+            and metric(sc.url, "disaggpool_autoscaler_desired_decode_replicas") >= 1
+        ),
+        10,
+        "the autoscaler's first recommendation after the burst",
+    )
+    assert 1 <= metric(sc.url, "disaggpool_autoscaler_desired_decode_replicas") <= 4
+    service = sc.running.service
+    assert service.demand.demand(service.clock()).finished == 24
+    assert metric(sc.url, "disaggpool_autoscaler_publish_failures_total") == 0

@@ -188,3 +188,35 @@ def test_members_name_their_kv_events_endpoint() -> None:
     pods["prefill"][0]["kv_events"] = "127.0.0.1:5557"
     with pytest.raises(InputError, match=r"prefill\[0\]\.kv_events"):
         parse_config(doc, "<test>")
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "field"),
+    [
+        ({"max_replicas": 3}, "autoscaling.min_replicas"),
+        ({"min_replicas": 4, "max_replicas": 3}, "autoscaling.max_replicas"),
+        ({"min_replicas": 0, "max_replicas": 0}, "autoscaling.max_replicas"),
+        (
+            {"min_replicas": 1, "max_replicas": 3, "target_goodput": 1.0},
+            "autoscaling.target_goodput",
+        ),
+        ({"min_replicas": 1, "max_replicas": 3, "startup_s": -5}, "autoscaling.startup_s"),
+        ({"min_replicas": 1, "max_replicas": 3, "period_s": 0}, "autoscaling.period_s"),
+        (
+            {"min_replicas": 1, "max_replicas": 3, "pool": {"name": "p"}},
+            "autoscaling.pool.namespace",
+        ),
+        ({"min_replicas": 1, "max_replicas": 3, "colour": 1}, "autoscaling.colour"),
+    ],
+)
+def test_autoscaling_settings_are_checked(autoscaling: dict[str, Any], field: str) -> None:
+    with pytest.raises(InputError) as err:
+        parse_config({**BASE, "autoscaling": autoscaling}, "sidecar.yaml")
+    assert err.value.field == field, str(err.value)
+
+
+def test_autoscaling_defaults() -> None:
+    a = parse_config({**BASE, "autoscaling": {"min_replicas": 1, "max_replicas": 5}}).autoscaling
+    assert a is not None
+    assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 15)
+    assert a.pool_name == ""  # metrics only: nothing is written anywhere

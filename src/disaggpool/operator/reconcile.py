@@ -39,6 +39,7 @@ from disaggpool.operator.calibration_plan import CalibrationPlan, plan_calibrati
 from disaggpool.operator.names import PoolRef, owner_reference
 from disaggpool.operator.observed import job_view, pod_view, profile_view
 from disaggpool.operator.render import render_pool
+from disaggpool.operator.scaling import DecodeScale, decode_scale, with_decode_replicas
 from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
 from disaggpool.operator.status import compute_status
 
@@ -138,6 +139,7 @@ async def reconcile(
 ) -> ReconcileResult:
     """Bring pool `namespace/name` to its spec; a no-op when it is gone or already there."""
     result = ReconcileResult()
+    scale: DecodeScale | None = None
     cr = await kube.get(pool_path(namespace, name))
     if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
         return result  # deletion is the garbage collector's job (owner references)
@@ -175,7 +177,9 @@ async def reconcile(
         ):
             await note("InvalidSpec", message, warning=True)
     elif spec is not None:
-        desired = render_pool(pool, spec)
+        scale = decode_scale(spec, annotations)
+        await _note_scale(scale, previous, note)
+        desired = render_pool(pool, with_decode_replicas(spec, scale.replicas))
         outcomes = {}
         # In waves: a RoleBinding is refused (404) until its Role exists, and pods should not
         # start before their ServiceAccount and config exist. Within a wave, in parallel.
@@ -233,14 +237,29 @@ async def reconcile(
         )
         await _execute(kube, pool, plan, result, note, previous)
 
+    if effective is not None and scale is None:  # an invalid spec: the last one applied runs
+        scale = decode_scale(effective, annotations)
+    in_force = with_decode_replicas(effective, scale.replicas) if effective and scale else None
     status = compute_status(
-        pool, effective, issues, applied_generation, pods, plan, router_ready, previous, now
+        pool, in_force, issues, applied_generation, pods, plan, router_ready, previous, now
     )
+    if scale is not None and effective is not None and effective.autoscaling.enabled:
+        status["autoscaling"] = scale.status()
     patch = _status_patch(previous, status)
     if patch:
         await kube.merge_patch(pool_path(namespace, name) + "/status", {"status": patch})
         result.status_written = True
     return result
+
+
+async def _note_scale(scale: DecodeScale, previous: Mapping[str, Any], note: Any) -> None:
+    """An Event when the decode count this pass renders differs from the last one reported
+    (the first pass reports the initial count), or a recommendation fails to parse."""
+    before = (previous.get("autoscaling") or {}).get("replicas")
+    if scale.error and (previous.get("autoscaling") or {}).get("error") != scale.error:
+        await note("InvalidRecommendation", scale.error, warning=True)
+    if scale.source == "autoscaler" and before is not None and before != scale.replicas:
+        await note("DecodeScaled", f"decode {before} -> {scale.replicas}: {scale.reason}")
 
 
 async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:

@@ -22,6 +22,8 @@ from disaggpool.labels import (
     COMPONENT_ROUTER,
     CONFIG_HASH_ANNOTATION,
     GPU_TYPE_ANNOTATION,
+    GROUP,
+    PLURAL,
     POOL_LABEL,
     PROFILE_LABEL,
     PROFILE_LABEL_VALUE,
@@ -261,6 +263,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "priority_scheduling": r.priority_scheduling,
         "prefix_index": r.prefix_index,
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
+        **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,
@@ -278,6 +281,19 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         },
     }
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """The router's decode autoscaler: its bounds, timing, and the pool it writes to."""
+    a = spec.autoscaling
+    return {
+        "pool": {"namespace": pool.namespace, "name": pool.name},
+        "min_replicas": spec.decode.min_replicas or 0,
+        "max_replicas": spec.decode.max_replicas,
+        "startup_s": a.startup_s,
+        "stabilization_s": a.stabilization_window_s,
+        "target_goodput": a.target_goodput,
+    }
 
 
 def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
@@ -392,7 +408,19 @@ PROBE_RULES: list[dict[str, Any]] = [
 def render_pool(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     """Every object a pool consists of, in apply order (RBAC before the pods that use it)."""
     objs: list[dict[str, Any]] = []
-    objs += _rbac(pool, "router", ROUTER_RULES)
+    rules = ROUTER_RULES
+    if spec.autoscaling.enabled:
+        # The decode autoscaler writes its recommendation on its own pool and nothing else.
+        rules = [
+            *rules,
+            {
+                "apiGroups": [GROUP],
+                "resources": [PLURAL],
+                "resourceNames": [pool.name],
+                "verbs": ["get", "patch"],
+            },
+        ]
+    objs += _rbac(pool, "router", rules)
     if spec.calibration.enabled:
         objs += _rbac(pool, "probe", PROBE_RULES)
     for role in (spec.prefill, spec.decode):

@@ -184,12 +184,15 @@ class CalibrationSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
-    """Accepted and validated; no autoscaler reads it yet (issue #14). The bounds are
-    decode.min/maxReplicas."""
+    """Decode autoscaling (docs/operator.md, "Autoscaling"): the router computes the decode
+    replicas the traffic needs (`core.autoscaling`) and writes them on the pool; the operator
+    applies them within decode.min/maxReplicas. `startup_s`: a new decode pod's cold start
+    (engine load and calibration), how far ahead the autoscaler looks."""
 
     enabled: bool = False
     target_goodput: float = 0.9
     stabilization_window_s: int = 300
+    startup_s: int = 120
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -425,9 +428,15 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         enabled=a.boolean("enabled", False),
         target_goodput=a.number("targetGoodput", 0.9, positive=True),
         stabilization_window_s=a.integer("stabilizationWindowSeconds", 300, minimum=0),
+        startup_s=a.integer("startupSeconds", 120, minimum=0),
     )
-    if autoscaling.target_goodput > 1:
-        a.problem("targetGoodput", "a fraction of requests: must be <= 1")
+    if not 0.5 <= autoscaling.target_goodput < 1:
+        a.problem("targetGoodput", "a fraction of requests in [0.5, 1)")
+    if autoscaling.enabled:
+        if len(decode.variants) > 1:
+            a.problem("enabled", "decode autoscaling needs a single decode variant")
+        if (decode.max_replicas or 0) < 1:
+            a.problem("enabled", "decode autoscaling needs decode.maxReplicas >= 1")
 
     if problems.problems:
         return None, [SpecIssue(p.field, p.message) for p in problems.problems]

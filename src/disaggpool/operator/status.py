@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.labels import POOL_LABEL, ROLE_LABEL, format_selector
 from disaggpool.operator.calibration_plan import CalibrationPlan, PodCalibration
 from disaggpool.operator.names import PoolRef, router_endpoint
 from disaggpool.operator.observed import PodView
@@ -124,6 +125,8 @@ def compute_status(
             want = int((previous.get(role) or {}).get("desired", 0))
         status[role] = {"ready": ready, "desired": want}
         status[f"{role}Replicas"] = f"{ready}/{want}"
+    # The CRD's scale subresource (an HPA or KEDA driving decode.replicas) selects by this.
+    status["decode"]["selector"] = format_selector({POOL_LABEL: pool.name, ROLE_LABEL: "decode"})
     pod_states = [_pod_status(c) for c in plan.pods] if plan else []
     calibrated = sum(1 for c in plan.pods if c.state == "calibrated") if plan else 0
     failed = [c for c in plan.pods if c.state == "failed"] if plan else []

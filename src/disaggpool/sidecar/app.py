@@ -16,6 +16,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from disaggpool.sidecar.autoscale import AutoscalerTask
 from disaggpool.sidecar.collectors import Collectors
 from disaggpool.sidecar.config import SidecarConfig
 from disaggpool.sidecar.frontdoor import FrontDoor
@@ -43,6 +44,7 @@ class RunningSidecar:
     _grpc: grpc.aio.Server
     _session: aiohttp.ClientSession
     _health_task: asyncio.Task[None]
+    autoscaler: AutoscalerTask | None = None
 
     @property
     def url(self) -> str:
@@ -54,6 +56,8 @@ class RunningSidecar:
 
     async def close(self) -> None:
         self._health_task.cancel()
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         await self.collectors.stop()
         await self._grpc.stop(grace=1.0)
         await self._runner.cleanup()
@@ -94,6 +98,10 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
             await asyncio.sleep(config.scrape_interval_s)
 
     health_task = asyncio.get_running_loop().create_task(keep_health())
+    autoscaler = None
+    if config.autoscaling is not None:
+        autoscaler = AutoscalerTask(config.autoscaling, service, session)
+        autoscaler.start()
     log.info(
         "sidecar up: policy %s, HTTP front door on :%d, gRPC on :%d",
         config.policy,
@@ -101,7 +109,15 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         grpc_port,
     )
     return RunningSidecar(
-        service, collectors, http_port, grpc_port, runner, grpc_server, session, health_task
+        service,
+        collectors,
+        http_port,
+        grpc_port,
+        runner,
+        grpc_server,
+        session,
+        health_task,
+        autoscaler,
     )
 
 

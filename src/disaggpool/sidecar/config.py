@@ -63,6 +63,21 @@ class KVEventsSource:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class AutoscalingConfig:
+    """The router's decode autoscaler (`sidecar.autoscale`): its bounds and timing, and the
+    DisaggPool it writes its recommendation on (none: metrics only)."""
+
+    min_replicas: int
+    max_replicas: int
+    startup_s: float = 120.0
+    stabilization_s: float = 300.0
+    target_goodput: float = 0.9
+    period_s: float = 15.0
+    pool_namespace: str = ""
+    pool_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KubernetesSource:
     """Objects of one namespace chosen by labels (pods for membership, ConfigMaps for profiles)."""
 
@@ -109,6 +124,7 @@ class SidecarConfig:
     decode_binding: Literal["arrival", "late"] = "arrival"
     prefix_index: bool = False
     kv_events: KVEventsSource | None = None
+    autoscaling: AutoscalingConfig | None = None
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -151,6 +167,7 @@ _TOP = {
     "pd_decider",
     "local_prefill_below",
     "priority_scheduling",
+    "autoscaling",
 }
 
 
@@ -211,6 +228,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         if not kwargs["prefix_index"]:
             raise rd.fail("kv_events", "feeds the prefix index: needs prefix_index: true")
         kwargs["kv_events"] = _kv_events(rd, top["kv_events"])
+    if "autoscaling" in top:
+        kwargs["autoscaling"] = _autoscaling(rd, top["autoscaling"])
     default = default_options(policy)
     pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
@@ -233,6 +252,37 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         predictor=predictor,
         **kwargs,
     )
+
+
+def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
+    a = rd.mapping(raw, "autoscaling")
+    keys = {"min_replicas", "max_replicas", "startup_s", "stabilization_s", "target_goodput"}
+    rd.known(a, "autoscaling", keys | {"period_s", "pool"})
+    for key in ("min_replicas", "max_replicas"):
+        if key not in a:
+            raise rd.fail(f"autoscaling.{key}", "required")
+    lo = rd.integer(a["min_replicas"], "autoscaling.min_replicas", minimum=0)
+    hi = rd.integer(a["max_replicas"], "autoscaling.max_replicas", minimum=max(1, lo))
+    target = rd.number(a.get("target_goodput", 0.9), "autoscaling.target_goodput", positive=True)
+    if not 0.5 <= target < 1:
+        raise rd.fail("autoscaling.target_goodput", f"must be in [0.5, 1), got {target}")
+    out = AutoscalingConfig(
+        lo,
+        hi,
+        startup_s=rd.number(a.get("startup_s", 120.0), "autoscaling.startup_s"),
+        stabilization_s=rd.number(a.get("stabilization_s", 300.0), "autoscaling.stabilization_s"),
+        target_goodput=target,
+        period_s=rd.number(a.get("period_s", 15.0), "autoscaling.period_s", positive=True),
+    )
+    if "pool" in a:
+        pool = rd.mapping(a["pool"], "autoscaling.pool")
+        rd.known(pool, "autoscaling.pool", {"namespace", "name"})
+        out = dataclasses.replace(
+            out,
+            pool_namespace=rd.string(pool.get("namespace"), "autoscaling.pool.namespace"),
+            pool_name=rd.string(pool.get("name"), "autoscaling.pool.name"),
+        )
+    return out
 
 
 def _kv_events(rd: FieldReader, raw: Any) -> KVEventsSource:

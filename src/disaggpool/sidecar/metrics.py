@@ -21,6 +21,10 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   ``ttft`` and ``tpot`` (histogram), the calibration-drift signal;
 * `disaggpool_traffic_heterogeneity`: CV of per-request token work over the window
   (`core.heterogeneity`);
+* `disaggpool_demand_requests_per_second` and `disaggpool_demand_dispersion` (arrival rate over
+  the last minute, index of dispersion of arrivals: `core.demand`), and with `autoscaling`:
+  `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends) and
+  `disaggpool_autoscaler_publish_failures_total` (recommendations not written on the pool);
 * `disaggpool_inflight_requests`; per pod: `disaggpool_pod_healthy`,
   `disaggpool_pod_inflight_requests`, `disaggpool_profile_trusted`,
   `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1);
@@ -200,6 +204,22 @@ class SidecarMetrics:
         self.inflight = Gauge(
             "disaggpool_inflight_requests", "requests routed and not finished", registry=r
         )
+        self.demand_rate = Gauge(
+            "disaggpool_demand_requests_per_second", "arrival rate over the demand window",
+            registry=r,
+        )  # fmt: skip
+        self.demand_dispersion = Gauge(
+            "disaggpool_demand_dispersion", "index of dispersion of arrivals (1 = Poisson)",
+            registry=r,
+        )  # fmt: skip
+        self.desired_decode = Gauge(
+            "disaggpool_autoscaler_desired_decode_replicas",
+            "decode replicas the router's autoscaler recommends", registry=r,
+        )  # fmt: skip
+        self.autoscaler_publish_failures = Counter(
+            "disaggpool_autoscaler_publish_failures",
+            "decode recommendations that could not be written on the pool", registry=r,
+        )  # fmt: skip
         self.frontdoor = Counter(
             "disaggpool_frontdoor_requests", "front-door HTTP requests by endpoint and status",
             ["endpoint", "code"], registry=r,

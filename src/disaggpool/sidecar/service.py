@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
+from disaggpool.core.demand import DemandWindow
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
@@ -130,6 +131,7 @@ class RoutingService:
             events.stale_after_s if events is not None else None,
         )
         self.spread = SlidingSpread(config.heterogeneity_window)
+        self.demand = DemandWindow()  # what the decode autoscaler reads (sidecar.autoscale)
         self._untrusted_logged: set[str] = set()
         # decode pod -> the measured transfer standing in for its unmeasured one (None: defaults)
         self._stand_ins_logged: dict[str, KVTransferModel | None] = {}
@@ -161,6 +163,7 @@ class RoutingService:
             self.metrics.rejected.labels("overload").inc()
             raise Overloaded(f"{self.state.inflight} requests in flight (max_inflight)")
         now = self.clock()
+        self.demand.arrived(now)
         pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
         predicted = pred.mean if not max_tokens else min(pred.mean, float(max_tokens))
         blocks, block_tokens, hits = self.prefix.lookup(prompt_tokens, token_ids)
@@ -398,6 +401,13 @@ class RoutingService:
             self.predictor.observe(rec.slo.name, rec.prompt_tokens, output_tokens)
         self.spread.add(float(rec.prompt_tokens + output_tokens))
         self.metrics.heterogeneity.set(self.spread.cv)
+        self.demand.finished(
+            self.clock(),
+            rec.prompt_tokens,
+            output_tokens,
+            ttft_s / rec.slo.ttft_s,
+            tpot_s / rec.slo.tpot_s,
+        )
         if met is None:
             met = rec.slo.met(ttft_s, tpot_s)
         self.metrics.outcome(rec.slo.name, "met" if met else "missed")
