@@ -32,7 +32,7 @@ __all__ = [
     "KIND",
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
-    "OBSERVED_ERROR_ANNOTATION",
+    "OBSERVED_ERRORS_ANNOTATION",
     "PLURAL",
     "POD_LABEL",
     "POOL_LABEL",
@@ -82,7 +82,8 @@ MANAGED_BY = "disaggpool-operator"
 APPLIED_SPEC_ANNOTATION = f"{GROUP}/applied-spec"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
-OBSERVED_ERROR_ANNOTATION = f"{GROUP}/observed-error"
+# The router's per-pod prediction error, on its pool; the operator re-probes drifting pods.
+OBSERVED_ERRORS_ANNOTATION = f"{GROUP}/observed-errors"
 GPU_TYPE_ANNOTATION = f"{GROUP}/gpu-type"
 # The router's decode autoscaler writes its recommendation on its pool; the operator applies it.
 DECODE_RECOMMENDATION_ANNOTATION = f"{GROUP}/decode-recommendation"

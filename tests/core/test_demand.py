@@ -88,3 +88,8 @@ def test_mix_comes_from_the_last_finished_requests_and_slo_ratios_from_the_windo
 def test_bad_windows_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         DemandWindow(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_window_that_has_seen_nothing_says_so() -> None:
+    d = DemandWindow().demand(100.0)
+    assert d.arrival_rps == 0.0 and d.window_s < 60.0 and not d.bursts_known and d.finished == 0

@@ -147,8 +147,8 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
         )
         assert container["startupProbe"]["httpGet"]["path"] == "/health"
 
-        _play_kubelet(cluster, ns, prefill["metadata"]["name"], "10.244.0.11")
-        _play_kubelet(cluster, ns, decode["metadata"]["name"], "10.244.0.12")
+        _play_kubelet(cluster, ns, prefill["metadata"]["name"], "198.18.0.11")
+        _play_kubelet(cluster, ns, decode["metadata"]["name"], "198.18.0.12")
 
         async def jobs() -> list[dict[str, Any]] | None:
             items: list[dict[str, Any]] = _json(
@@ -161,7 +161,7 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
         decode_args = by_pod[decode["metadata"]["name"]]["spec"]["template"]["spec"]["containers"][
             0
         ]["args"]
-        assert decode_args[decode_args.index("--peer") + 1] == "http://10.244.0.11:8000"
+        assert decode_args[decode_args.index("--peer") + 1] == "http://198.18.0.11:8000"
 
         # Play the probe Job with the probe's own service account (its Role is exercised).
         probe_token = cluster.sa_token(ns, "small-probe")
@@ -189,7 +189,7 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
                 labels,
             )
         for router_pod in _pods(cluster, ns, "disaggpool.io/component=router"):
-            _play_kubelet(cluster, ns, router_pod["metadata"]["name"], "10.244.0.20")
+            _play_kubelet(cluster, ns, router_pod["metadata"]["name"], "198.18.0.20")
 
         async def ready() -> dict[str, Any] | None:
             st: dict[str, Any] = _json(cluster, "dpool", "small", "-n", ns).get("status") or {}
@@ -326,8 +326,9 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
     pool; a reconcile pass scales the decode Deployment within the bounds, with an Event and
     `status.autoscaling`; a bad autoscaling spec is flagged and leaves the pool as it runs."""
     from disaggpool.core.profile import CalibrationProfile
-    from disaggpool.sidecar.autoscale import AutoscalerTask
+    from disaggpool.sidecar.autoscale import DecodeRecommender
     from disaggpool.sidecar.config import Member, parse_config
+    from disaggpool.sidecar.pool_writer import PoolWriter
     from disaggpool.sidecar.service import RoutingService
     from disaggpool.sidecar.state import Gauges
 
@@ -368,17 +369,20 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
             service.demand.finished(990.0, 1000, 200, 0.5, 0.5)
         token = cluster.sa_token("scale", "small-router")
         router_cfg = cluster.kubeconfig_for(tmp_path / "router", token)
-        task = AutoscalerTask(
-            config.autoscaling, service, None,  # type: ignore[arg-type]
+        recommender = DecodeRecommender(config.autoscaling, service)
+        task = PoolWriter(
+            service, [recommender], namespace="scale", name="small", period_s=15.0, session=None,
             kube=lambda: Kube.from_environment(str(router_cfg)),
         )  # fmt: skip
-        decision = await task.step()
+        written = await task.step()
+        decision = written["disaggpool.io/decode-recommendation"]
         # 50 req/s needs 9 pods of this profile; the router's own bounds (rendered from the
         # pool's) cap its recommendation at 3.
-        assert decision is not None and decision.replicas == 3 and "-> 9" in decision.reason
+        assert decision["replicas"] == 3 and "-> 9" in decision["reason"]
+        assert await task.step() == {}  # unchanged: not written again
         pool = _json(cluster, "dpool", "small", "-n", "scale")
-        written = json.loads(pool["metadata"]["annotations"]["disaggpool.io/decode-recommendation"])
-        assert written["replicas"] == decision.replicas
+        on_pool = json.loads(pool["metadata"]["annotations"]["disaggpool.io/decode-recommendation"])
+        assert on_pool == decision
 
         # Its Role lets it write its own pool and no other.
         other = load_sample("small.yaml")
@@ -397,7 +401,7 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
         status = _json(cluster, "dpool", "small", "-n", "scale")["status"]
         assert status["autoscaling"]["replicas"] == 3
         assert status["autoscaling"]["recommendedReplicas"] == 3
-        assert status["autoscaling"]["reason"] == decision.reason
+        assert status["autoscaling"]["reason"] == decision["reason"]
         events = _json(cluster, "events", "-n", "scale")["items"]
         scaled = [e["message"] for e in events if e["reason"] == "DecodeScaled"]
         assert any(m.startswith("decode 1 -> 3") for m in scaled), scaled
@@ -436,3 +440,93 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
     finally:
         await kube.close()
         cluster.kubectl("delete", "namespace", "scale", "--wait=false")
+
+
+@pytest.mark.asyncio
+async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drift on a real API server: the router (its own token) writes its pods' prediction errors
+    on the pool; a pass re-probes the pod whose error about its current profile is over
+    `calibration.maxPredictionError`, and only that one."""
+    from disaggpool.sidecar.config import Member, parse_config
+    from disaggpool.sidecar.pool_writer import DriftReport, PoolWriter
+    from disaggpool.sidecar.service import RoutingService
+
+    ns = "drift"
+    cluster.kubectl("create", "namespace", ns)
+    cr = load_sample("small.yaml")
+    cr["metadata"]["namespace"] = ns
+    cr["spec"]["calibration"] = {"maxPredictionError": 0.3}
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
+    kube = Kube.from_environment(str(cluster.kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))  # the probe's sink, as admin here
+    try:
+        await reconcile(kube, ns, "small", default_image="disaggpool:test")
+
+        async def both() -> list[dict[str, Any]] | None:
+            pods = _pods(cluster, ns, "disaggpool.io/pool=small,disaggpool.io/role")
+            return pods if len(pods) == 2 else None
+
+        pods = {
+            p["metadata"]["labels"]["disaggpool.io/role"]: p
+            for p in await eventually(both, "pods", 60, 0.5)
+        }
+        fitted = "2026-12-04T10:00:00+00:00"
+        for k, (_, pod) in enumerate(sorted(pods.items())):  # decode .31, prefill .32
+            name = pod["metadata"]["name"]
+            _play_kubelet(cluster, ns, name, f"198.18.0.{31 + k}")
+            profile = dataclasses.replace(
+                builtin_profile("a40-llama3-8b"), name=name, quality="good", fitted_at=fitted
+            )
+            labels = {"disaggpool.io/pool": "small", "disaggpool.io/pod": name,
+                      "disaggpool.io/profile": "true"}  # fmt: skip
+            await asyncio.to_thread(
+                sinks.write_configmap, profile, f"{ns}/small-profile-{name}", {}, labels
+            )
+        calm = await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        assert not calm.jobs_created, calm
+
+        rendered = _json(cluster, "configmap", "small-router", "-n", ns)["data"]["sidecar.yaml"]
+        config = parse_config(yaml.safe_load(rendered), "sidecar.yaml")
+        assert config.drift is not None and config.drift.pool_name == "small"
+        service = RoutingService(
+            dataclasses.replace(config, members_kubernetes=None, profiles_kubernetes=None)
+        )
+        decode = pods["decode"]["metadata"]["name"]
+        prefill = pods["prefill"]["metadata"]["name"]
+        service.state.set_members(
+            [Member(decode, "decode", "http://198.18.0.31:8000"),
+             Member(prefill, "prefill", "http://198.18.0.32:8000")]
+        )  # fmt: skip
+        for name in (decode, prefill):
+            profile = dataclasses.replace(
+                builtin_profile("a40-llama3-8b"), quality="good", fitted_at=fitted
+            )
+            service.install_profile(name, profile, 0.0)
+        for _ in range(20):  # the decode pod now takes twice as long per token as predicted
+            service.drift.observe(decode, "tpot", 0.02, 0.04)
+            service.drift.observe(prefill, "ttft", 0.50, 0.52)
+        router_cfg = cluster.kubeconfig_for(
+            tmp_path / "router", cluster.sa_token(ns, "small-router")
+        )
+        writer = PoolWriter(
+            service, [DriftReport(service)], namespace=ns, name="small", period_s=15.0,
+            session=None, kube=lambda: Kube.from_environment(str(router_cfg)),
+        )  # fmt: skip
+        written = await writer.step()
+        errors = written["disaggpool.io/observed-errors"]["pods"]
+        assert errors[decode] == {"error": 0.5, "profile": fitted}
+        await writer.stop()
+
+        drifted = await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        assert len(drifted.jobs_created) == 1, drifted
+        job = _json(cluster, "job", drifted.jobs_created[0], "-n", ns)
+        assert job["metadata"]["labels"]["disaggpool.io/pod"] == decode
+        status = _json(cluster, "dpool", "small", "-n", ns)["status"]
+        by_pod = {p["name"]: p for p in status["pods"]}
+        assert by_pod[decode]["calibration"] == "probing"
+        assert by_pod[prefill]["calibration"] == "calibrated"
+    finally:
+        await kube.close()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")

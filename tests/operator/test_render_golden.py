@@ -21,7 +21,13 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.profiles import dump_profile
 from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
 from disaggpool.operator.names import PoolRef
-from disaggpool.operator.observed import JobView, PodView, ProfileView, profile_view
+from disaggpool.operator.observed import (
+    JobView,
+    PodView,
+    ProfileView,
+    observed_errors,
+    profile_view,
+)
 from disaggpool.operator.render import render_pool, render_router_config
 from disaggpool.operator.spec import PoolSpec, parse_spec
 from disaggpool.operator.status import compute_status
@@ -258,3 +264,32 @@ def test_priority_scheduling_reaches_the_router_and_every_vllm_pod() -> None:
             assert has is on and (
                 not on or args[args.index("--scheduling-policy") + 1] == "priority"
             )
+
+
+def test_a_pod_whose_current_profile_drifts_is_reprobed_and_an_old_error_is_ignored() -> None:
+    pool, spec = _spec("small.yaml", calibration__maxPredictionError=0.3)
+    pod = PodView("d", "decode", "198.18.0.2", True)
+    peer = PodView("p", "prefill", "198.18.0.1", True)
+    cm = {
+        "metadata": {"name": "small-profile-d", "labels": {"disaggpool.io/pod": "d"},
+                     "ownerReferences": [{"uid": "x"}]},
+        "data": {"profile.yaml": dump_profile(_pv("d").profile)},  # type: ignore[arg-type]
+    }  # fmt: skip
+    fitted = "2026-01-02T00:00:00Z"
+
+    def plan_with(errors: dict[str, object]) -> Any:
+        annotations = {"disaggpool.io/observed-errors": json.dumps({"pods": errors})}
+        views = [profile_view(cm, observed_errors(annotations)), _pv("p")]
+        return plan_calibration(pool, spec, [pod, peer], views, [], NOW)
+
+    drifting = plan_with({"d": {"error": 0.45, "profile": fitted}})
+    assert [c.reason for c in drifting.pods if c.pod.name == "d"] == ["drift"]
+    assert len(drifting.create_jobs) == 1
+    # Within the bound, about a profile the pod no longer has, or unreadable: nothing to do.
+    for errors in (
+        {"d": {"error": 0.2, "profile": fitted}},
+        {"d": {"error": 0.9, "profile": "2025-12-31T00:00:00Z"}},
+        {"d": {"error": "high", "profile": fitted}},
+    ):
+        assert not plan_with(errors).create_jobs, errors
+    assert observed_errors({"disaggpool.io/observed-errors": "{oops"}) == {}

@@ -202,10 +202,17 @@ def test_killing_a_decode_pod_mid_run_loses_no_request(start_pool, start_sidecar
 
 
 async def completions(
-    url: str, *, waves: int, per_wave: int, base: int, step: int, max_tokens: int
+    url: str,
+    *,
+    waves: int,
+    per_wave: int,
+    base: int,
+    step: int,
+    max_tokens: int,
+    stream: bool = False,
 ) -> None:
     """`waves` rounds of `per_wave` concurrent completions, request i of `base + step * i`
-    words, each expected to succeed."""
+    words, each expected to succeed; `stream`: streamed (the router then times every token)."""
     import aiohttp
 
     async with aiohttp.ClientSession() as s:
@@ -215,9 +222,11 @@ async def completions(
                 "prompt": "word " * (base + step * i),
                 "max_tokens": max_tokens,
                 "ignore_eos": True,
+                "stream": stream,
             }
             async with s.post(f"{url}/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
+                await r.read()
 
         for wave in range(waves):
             await asyncio.gather(*(one(per_wave * wave + i) for i in range(per_wave)))

@@ -220,3 +220,26 @@ def test_autoscaling_defaults() -> None:
     assert a is not None
     assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 15)
     assert a.pool_name == ""  # metrics only: nothing is written anywhere
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"drift": {"window": 4, "min_samples": 5}}, "drift.min_samples"),
+        ({"drift": {"window": 0}}, "drift.window"),
+        ({"drift": {"period_s": -1}}, "drift.period_s"),
+        ({"drift": {"pool": {"namespace": "a"}}}, "drift.pool.name"),
+        (
+            {
+                "drift": {"pool": {"namespace": "a", "name": "x"}},
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2,
+                                "pool": {"namespace": "a", "name": "y"}},
+            },
+            "drift.pool",
+        ),
+    ],
+)  # fmt: skip
+def test_drift_settings_are_checked(patch: dict[str, Any], field: str) -> None:
+    with pytest.raises(InputError) as err:
+        parse_config({**BASE, **patch}, "sidecar.yaml")
+    assert err.value.field == field, str(err.value)

@@ -122,8 +122,8 @@ class DemandWindow:
         return counts
 
     def _span(self, now: float, window_s: float) -> float:
-        """The window, or less while the observations are younger than it."""
-        return window_s if self._started is None else min(window_s, now - self._started)
+        """The window, or less while the observations are younger than it (0 before any)."""
+        return 0.0 if self._started is None else min(window_s, now - self._started)
 
     def demand(self, now: float) -> Demand:
         self._evict(now)

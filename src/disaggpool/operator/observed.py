@@ -8,6 +8,7 @@ does not parse becomes a view carrying the error (the pod is then re-probed), ne
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from disaggpool.kubeclient import pod_ready
 from disaggpool.labels import (
     ATTEMPT_LABEL,
     GPU_TYPE_ANNOTATION,
-    OBSERVED_ERROR_ANNOTATION,
+    OBSERVED_ERRORS_ANNOTATION,
     POD_LABEL,
     PROFILE_KEY,
     ROLE_LABEL,
@@ -28,7 +29,15 @@ from disaggpool.labels import (
     VARIANT_LABEL,
 )
 
-__all__ = ["JobView", "PodView", "ProfileView", "job_view", "pod_view", "profile_view"]
+__all__ = [
+    "JobView",
+    "PodView",
+    "ProfileView",
+    "job_view",
+    "observed_errors",
+    "pod_view",
+    "profile_view",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,25 +84,41 @@ class ProfileView:
     owned: bool = True
 
 
-def profile_view(cm: Mapping[str, Any]) -> ProfileView:
+def observed_errors(pool_annotations: Mapping[str, Any]) -> dict[str, tuple[float, str]]:
+    """The router's per-pod prediction errors on its pool (``disaggpool.io/observed-errors``):
+    pod -> (error, fitted_at of the profile it is about). Whatever does not parse is skipped: a
+    missing error re-probes nothing."""
+    raw = pool_annotations.get(OBSERVED_ERRORS_ANNOTATION)
+    try:
+        pods = json.loads(raw).get("pods") if raw else None
+    except (TypeError, ValueError, AttributeError):
+        return {}
+    out = {}
+    for pod, item in (pods or {}).items() if isinstance(pods, Mapping) else ():
+        error = item.get("error") if isinstance(item, Mapping) else None
+        if isinstance(error, int | float) and not isinstance(error, bool) and error >= 0:
+            out[str(pod)] = (float(error), str(item.get("profile", "")))
+    return out
+
+
+def profile_view(
+    cm: Mapping[str, Any], errors: Mapping[str, tuple[float, str]] | None = None
+) -> ProfileView:
+    """A profile ConfigMap; `errors` (`observed_errors`) gives its pod's observed error when it
+    is about this very profile (same fitted_at), never about one it replaced."""
     md = cm.get("metadata") or {}
     name = str(md.get("name", ""))
     pod = str((md.get("labels") or {}).get(POD_LABEL, ""))
     owned = bool(md.get("ownerReferences"))
-    observed: float | None = None
-    raw_obs = (md.get("annotations") or {}).get(OBSERVED_ERROR_ANNOTATION)
-    if raw_obs is not None:
-        try:
-            observed = float(raw_obs)
-        except ValueError:
-            observed = None
     text = (cm.get("data") or {}).get(PROFILE_KEY)
     if not text:
-        return ProfileView(name, pod, None, f"no {PROFILE_KEY} yet", observed, owned)
+        return ProfileView(name, pod, None, f"no {PROFILE_KEY} yet", None, owned)
     try:
         profile = profile_from_dict(load_yaml(text), source=f"ConfigMap {name}")
     except (InputError, yaml.YAMLError) as exc:
-        return ProfileView(name, pod, None, str(exc), observed, owned)
+        return ProfileView(name, pod, None, str(exc), None, owned)
+    error, about = (errors or {}).get(pod, (None, ""))
+    observed = error if about == profile.fitted_at else None
     return ProfileView(name, pod, profile, "", observed, owned)
 
 

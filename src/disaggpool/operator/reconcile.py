@@ -37,7 +37,7 @@ from disaggpool.labels import (
 )
 from disaggpool.operator.calibration_plan import CalibrationPlan, plan_calibration
 from disaggpool.operator.names import PoolRef, owner_reference
-from disaggpool.operator.observed import job_view, pod_view, profile_view
+from disaggpool.operator.observed import job_view, observed_errors, pod_view, profile_view
 from disaggpool.operator.render import render_pool
 from disaggpool.operator.scaling import DecodeScale, decode_scale, with_decode_replicas
 from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
@@ -226,12 +226,13 @@ async def reconcile(
         and pod_ready(p)
     )
     plan = None
+    errors = observed_errors(annotations)  # the router's, per pod (calibration.maxPredictionError)
     if effective is not None:
         plan = plan_calibration(
             pool,
             effective,
             pods,
-            [profile_view(c) for c in cms_raw],
+            [profile_view(c, errors) for c in cms_raw],
             [j for j in map(job_view, jobs_raw) if j is not None],
             now,
         )

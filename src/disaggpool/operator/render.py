@@ -264,6 +264,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "prefix_index": r.prefix_index,
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
+        **({"drift": {"pool": _pool_ref(pool)}} if _watches_drift(spec) else {}),
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,
@@ -283,11 +284,20 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
+def _pool_ref(pool: PoolRef) -> dict[str, str]:
+    return {"namespace": pool.namespace, "name": pool.name}
+
+
+def _watches_drift(spec: PoolSpec) -> bool:
+    """The router reports per-pod prediction errors for the operator's drift re-probes."""
+    return spec.calibration.enabled and spec.calibration.max_prediction_error > 0
+
+
 def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     """The router's decode autoscaler: its bounds, timing, and the pool it writes to."""
     a = spec.autoscaling
     return {
-        "pool": {"namespace": pool.namespace, "name": pool.name},
+        "pool": _pool_ref(pool),
         "min_replicas": spec.decode.min_replicas or 0,
         "max_replicas": spec.decode.max_replicas,
         "startup_s": a.startup_s,
@@ -409,8 +419,9 @@ def render_pool(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     """Every object a pool consists of, in apply order (RBAC before the pods that use it)."""
     objs: list[dict[str, Any]] = []
     rules = ROUTER_RULES
-    if spec.autoscaling.enabled:
-        # The decode autoscaler writes its recommendation on its own pool and nothing else.
+    if spec.autoscaling.enabled or _watches_drift(spec):
+        # The router writes its recommendation and its pods' prediction errors on its own pool
+        # and on nothing else (sidecar.pool_writer).
         rules = [
             *rules,
             {

@@ -16,11 +16,12 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from disaggpool.sidecar.autoscale import AutoscalerTask
+from disaggpool.sidecar.autoscale import DecodeRecommender
 from disaggpool.sidecar.collectors import Collectors
 from disaggpool.sidecar.config import SidecarConfig
 from disaggpool.sidecar.frontdoor import FrontDoor
 from disaggpool.sidecar.grpc_server import add_router, health_status
+from disaggpool.sidecar.pool_writer import AnnotationSource, DriftReport, PoolWriter
 from disaggpool.sidecar.service import RoutingService
 from disaggpool.sidecar.tokens import PromptCounter
 
@@ -44,7 +45,7 @@ class RunningSidecar:
     _grpc: grpc.aio.Server
     _session: aiohttp.ClientSession
     _health_task: asyncio.Task[None]
-    autoscaler: AutoscalerTask | None = None
+    pool_writer: PoolWriter | None = None
 
     @property
     def url(self) -> str:
@@ -56,8 +57,8 @@ class RunningSidecar:
 
     async def close(self) -> None:
         self._health_task.cancel()
-        if self.autoscaler is not None:
-            await self.autoscaler.stop()
+        if self.pool_writer is not None:
+            await self.pool_writer.stop()
         await self.collectors.stop()
         await self._grpc.stop(grace=1.0)
         await self._runner.cleanup()
@@ -98,10 +99,9 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
             await asyncio.sleep(config.scrape_interval_s)
 
     health_task = asyncio.get_running_loop().create_task(keep_health())
-    autoscaler = None
-    if config.autoscaling is not None:
-        autoscaler = AutoscalerTask(config.autoscaling, service, session)
-        autoscaler.start()
+    pool_writer = _pool_writer(config, service, session)
+    if pool_writer is not None:
+        pool_writer.start()
     log.info(
         "sidecar up: policy %s, HTTP front door on :%d, gRPC on :%d",
         config.policy,
@@ -117,7 +117,30 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         grpc_server,
         session,
         health_task,
-        autoscaler,
+        pool_writer,
+    )
+
+
+def _pool_writer(
+    config: SidecarConfig, service: RoutingService, session: aiohttp.ClientSession
+) -> PoolWriter | None:
+    """What the router tells the operator on its pool: the decode recommendation and the pods'
+    drift errors, as configured; None when neither is."""
+    sources: list[AnnotationSource] = []
+    period, namespace, name = 15.0, "", ""
+    if config.autoscaling is not None:
+        a = config.autoscaling
+        sources.append(DecodeRecommender(a, service))
+        period, namespace, name = a.period_s, a.pool_namespace, a.pool_name
+    if config.drift is not None:
+        d = config.drift
+        sources.append(DriftReport(service))
+        period = min(period, d.period_s) if config.autoscaling else d.period_s
+        namespace, name = namespace or d.pool_namespace, name or d.pool_name
+    if not sources:
+        return None
+    return PoolWriter(
+        service, sources, namespace=namespace, name=name, period_s=period, session=session
     )
 
 

@@ -212,11 +212,9 @@ class Collectors:
             profile = got if isinstance(got, CalibrationProfile) else None
             if isinstance(got, InputError):
                 self._report_profile_error(name, str(got))
-            if profile != inst.profile:
-                self.state.set_profile(name, profile, now)
-                self.service.profile_changed(name)
-                if profile is not None:
-                    log.info("pod %s: profile %s (%s)", name, profile.name, profile.quality)
+            changed = profile != inst.profile
+            if changed and self.service.install_profile(name, profile, now) and profile:
+                log.info("pod %s: profile %s (%s)", name, profile.name, profile.quality)
 
     def _report_profile_error(self, pod: str, message: str) -> None:
         if self._profile_errors.get(pod) != message:
@@ -239,11 +237,10 @@ class Collectors:
                 except (OSError, InputError) as exc:
                     self._report_profile_error(name, str(exc))
                     continue
-                self.state.set_profile(name, profile, now)
-                self.service.profile_changed(name)
-                log.info(
-                    "pod %s: profile %s (%s) from %s", name, profile.name, profile.quality, path
-                )
+                if self.service.install_profile(name, profile, now):
+                    log.info(
+                        "pod %s: profile %s (%s) from %s", name, profile.name, profile.quality, path
+                    )
             await asyncio.sleep(self.config.scrape_interval_s)
 
     # ------------------------------------------------------------------ scraping and expiry

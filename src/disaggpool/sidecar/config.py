@@ -78,6 +78,18 @@ class AutoscalingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DriftConfig:
+    """Per-pod prediction error (`core.drift`) and the DisaggPool it is written on, where the
+    operator re-probes pods above `calibration.maxPredictionError` (none: metrics only)."""
+
+    window: int = 64
+    min_samples: int = 16
+    period_s: float = 15.0
+    pool_namespace: str = ""
+    pool_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KubernetesSource:
     """Objects of one namespace chosen by labels (pods for membership, ConfigMaps for profiles)."""
 
@@ -125,6 +137,7 @@ class SidecarConfig:
     prefix_index: bool = False
     kv_events: KVEventsSource | None = None
     autoscaling: AutoscalingConfig | None = None
+    drift: DriftConfig | None = None
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -168,6 +181,7 @@ _TOP = {
     "local_prefill_below",
     "priority_scheduling",
     "autoscaling",
+    "drift",
 }
 
 
@@ -230,6 +244,12 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["kv_events"] = _kv_events(rd, top["kv_events"])
     if "autoscaling" in top:
         kwargs["autoscaling"] = _autoscaling(rd, top["autoscaling"])
+    if "drift" in top:
+        kwargs["drift"] = _drift(rd, top["drift"])
+    a, d = kwargs.get("autoscaling"), kwargs.get("drift")
+    refs = {(c.pool_namespace, c.pool_name) for c in (a, d) if c is not None and c.pool_name}
+    if len(refs) > 1:  # one router, one pool
+        raise rd.fail("drift.pool", "must name the pool autoscaling.pool names")
     default = default_options(policy)
     pd_decider = rd.boolean(top.get("pd_decider", default.pd_decider), "pd_decider")
     if pd_decider and policy not in CALIBRATED_FAMILY:
@@ -275,14 +295,30 @@ def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
         period_s=rd.number(a.get("period_s", 15.0), "autoscaling.period_s", positive=True),
     )
     if "pool" in a:
-        pool = rd.mapping(a["pool"], "autoscaling.pool")
-        rd.known(pool, "autoscaling.pool", {"namespace", "name"})
-        out = dataclasses.replace(
-            out,
-            pool_namespace=rd.string(pool.get("namespace"), "autoscaling.pool.namespace"),
-            pool_name=rd.string(pool.get("name"), "autoscaling.pool.name"),
-        )
+        ns, name = _pool_ref(rd, a["pool"], "autoscaling.pool")
+        out = dataclasses.replace(out, pool_namespace=ns, pool_name=name)
     return out
+
+
+def _drift(rd: FieldReader, raw: Any) -> DriftConfig:
+    d = rd.mapping(raw or {}, "drift")
+    rd.known(d, "drift", {"window", "min_samples", "period_s", "pool"})
+    window = rd.integer(d.get("window", 64), "drift.window", minimum=1)
+    least = rd.integer(d.get("min_samples", 16), "drift.min_samples", minimum=1)
+    if least > window:
+        raise rd.fail("drift.min_samples", f"must be <= drift.window ({window}), got {least}")
+    period = rd.number(d.get("period_s", 15.0), "drift.period_s", positive=True)
+    ns, name = _pool_ref(rd, d["pool"], "drift.pool") if "pool" in d else ("", "")
+    return DriftConfig(window, least, period, ns, name)
+
+
+def _pool_ref(rd: FieldReader, raw: Any, path: str) -> tuple[str, str]:
+    """A DisaggPool the router writes on: (namespace, name)."""
+    pool = rd.mapping(raw, path)
+    rd.known(pool, path, {"namespace", "name"})
+    return rd.string(pool.get("namespace"), f"{path}.namespace"), rd.string(
+        pool.get("name"), f"{path}.name"
+    )
 
 
 def _kv_events(rd: FieldReader, raw: Any) -> KVEventsSource:

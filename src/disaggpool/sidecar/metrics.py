@@ -23,8 +23,10 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   (`core.heterogeneity`);
 * `disaggpool_demand_requests_per_second` and `disaggpool_demand_dispersion` (arrival rate over
   the last minute, index of dispersion of arrivals: `core.demand`), and with `autoscaling`:
-  `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends) and
-  `disaggpool_autoscaler_publish_failures_total` (recommendations not written on the pool);
+  `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends);
+  `disaggpool_pod_prediction_error{pod}` (the pod's drift error, `core.drift`: median relative
+  error of its recent TTFT or TPOT predictions, the larger) and
+  `disaggpool_pool_annotation_failures_total` (failed writes on the pool, `sidecar.pool_writer`);
 * `disaggpool_inflight_requests`; per pod: `disaggpool_pod_healthy`,
   `disaggpool_pod_inflight_requests`, `disaggpool_profile_trusted`,
   `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1);
@@ -216,9 +218,14 @@ class SidecarMetrics:
             "disaggpool_autoscaler_desired_decode_replicas",
             "decode replicas the router's autoscaler recommends", registry=r,
         )  # fmt: skip
-        self.autoscaler_publish_failures = Counter(
-            "disaggpool_autoscaler_publish_failures",
-            "decode recommendations that could not be written on the pool", registry=r,
+        self.pod_prediction_error = Gauge(
+            "disaggpool_pod_prediction_error",
+            "median relative error of the pod's recent predictions (TTFT or TPOT, the larger)",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.pool_annotation_failures = Counter(
+            "disaggpool_pool_annotation_failures",
+            "writes of the router's annotations on its pool that failed", registry=r,
         )  # fmt: skip
         self.frontdoor = Counter(
             "disaggpool_frontdoor_requests", "front-door HTTP requests by endpoint and status",

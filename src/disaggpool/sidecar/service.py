@@ -5,8 +5,9 @@
 flight; the pair may lack its prefill pod (the P/D decider's local path: the decode pod prefills)
 or, with `decode_binding: late`, its decode pod until the prefill leg returns (`bind_decode`);
 `prefilled` / `progress` / `finished` / `failed` move it through its life, feed the output-length
-predictor, the goodput and heterogeneity signals and the predicted-vs-observed error. Synchronous
-and loop-confined: no awaits, so a decision is atomic.
+predictor, the goodput, heterogeneity and demand signals and the predicted-vs-observed error, per
+pod in `drift` (`core.drift`). A re-probe's profile that is not trusted does not replace a trusted
+one (`install_profile`). Synchronous and loop-confined: no awaits, so a decision is atomic.
 
 With `prefix_index` on, a request that comes with its token ids (the front door and gRPC
 `prompt_text` measure them) is looked up in the router's prefix index (`sidecar.prefix`): the
@@ -28,13 +29,14 @@ from collections.abc import Callable, Collection, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
 from disaggpool.core.demand import DemandWindow
+from disaggpool.core.drift import DriftTracker
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
 from disaggpool.core.policies.calibrated import median_measured_transfer
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
-from disaggpool.core.profile import KVTransferModel
+from disaggpool.core.profile import CalibrationProfile, KVTransferModel
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
 from disaggpool.sidecar.prefix import PrefixLookup
@@ -132,6 +134,9 @@ class RoutingService:
         )
         self.spread = SlidingSpread(config.heterogeneity_window)
         self.demand = DemandWindow()  # what the decode autoscaler reads (sidecar.autoscale)
+        drift = config.drift
+        self.drift = DriftTracker(drift.window, drift.min_samples) if drift else DriftTracker()
+        self._kept_logged: dict[str, str] = {}  # pod -> fitted_at of an untrusted profile refused
         self._untrusted_logged: set[str] = set()
         # decode pod -> the measured transfer standing in for its unmeasured one (None: defaults)
         self._stand_ins_logged: dict[str, KVTransferModel | None] = {}
@@ -330,10 +335,31 @@ class RoutingService:
         """Requests routed and not yet finished or failed."""
         return self.state.inflight
 
+    def install_profile(self, pod: str, profile: CalibrationProfile | None, now: float) -> bool:
+        """Give `pod` its (re)loaded `profile` (None clears it); False when refused: a profile
+        that is not trusted (a re-probe that came out poor) never replaces a trusted one, which is
+        kept until a new fit is trusted (the pod's drift error keeps asking for re-probes)."""
+        inst = self.state.instances.get(pod)
+        current = inst.profile if inst is not None else None
+        if profile is not None and not profile.trusted and current is not None and current.trusted:
+            if self._kept_logged.get(pod) != profile.fitted_at:
+                self._kept_logged[pod] = profile.fitted_at
+                log.warning(
+                    "pod %s: new profile is %s (%s); keeping the trusted one fitted %s",
+                    pod, profile.quality, profile.notes or "no reason given", current.fitted_at,
+                )  # fmt: skip
+            return False
+        self.state.set_profile(pod, profile, now)
+        self.profile_changed(pod)
+        return True
+
     def profile_changed(self, pod: str) -> None:
-        """A pod's profile was (re)loaded: warn again if it is still untrusted, and say again
-        what prices the KV transfer of decode pods that did not measure theirs."""
+        """A pod's profile was (re)loaded: warn again if it is still untrusted, say again what
+        prices the KV transfer of decode pods that did not measure theirs, and start its drift
+        window over (its errors were about the old profile)."""
         self._untrusted_logged.discard(pod)
+        self._kept_logged.pop(pod, None)
+        self.drift.profile_changed(pod)
         self.note_transfer_stand_ins()
 
     def note_transfer_stand_ins(self) -> None:
@@ -414,8 +440,14 @@ class RoutingService:
         err = self.metrics.prediction_error
         if predicted_ttft_s is not None and ttft_s > 0:
             err.labels("ttft").observe(abs(predicted_ttft_s - ttft_s) / ttft_s)
+            # The TTFT is the prefilling pod's doing (the decode pod's on the local path).
+            pod = rec.prefill or rec.decode
+            if pod:
+                self.drift.observe(pod, "ttft", predicted_ttft_s, ttft_s)
         if predicted_tpot_s is not None and tpot_s > 0 and output_tokens > 1:
             err.labels("tpot").observe(abs(predicted_tpot_s - tpot_s) / tpot_s)
+            if rec.decode:
+                self.drift.observe(rec.decode, "tpot", predicted_tpot_s, tpot_s)
         return True
 
     def failed(self, request_id: str, error: str = "", *, aborted: bool = False) -> bool:

@@ -31,6 +31,8 @@ def _diurnal(x: float) -> float:
 
 
 def _ramp(x: float) -> float:
+    if x < 0:  # before the run: the night's trough
+        return TROUGH
     if x < 0.4:
         return TROUGH + (1 - TROUGH) * x / 0.4
     if x < 0.6:
@@ -64,9 +66,13 @@ def shaped_trace(
     duration_s: float,
     services: Mapping[str, Sequence[TraceRequest]],
     seed: int,
+    *,
+    history_s: float = 0.0,
 ) -> list[TraceRequest]:
     """Arrivals over `duration_s` at `peak_rps` times the shape's rate; lengths and SLO class from
-    `services` (``chat`` and ``code``, as `formats.embedded.azure_services` gives them)."""
+    `services` (``chat`` and ``code``, as `formats.embedded.azure_services` gives them).
+    `history_s`: also the traffic of that long before the run (negative arrival times: what an
+    autoscaler that has been running remembers)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown traffic shape {shape!r}; choose from {', '.join(SHAPES)}")
     if not (peak_rps > 0 and duration_s > 0):
@@ -74,13 +80,13 @@ def shaped_trace(
     rng = random.Random(f"autoscale:{shape}:{seed}")
     code_share = SHAPES[shape][1]
     out: list[TraceRequest] = []
-    t = 0.0
+    t = -history_s
     while True:
         t += rng.expovariate(peak_rps)  # thinning: candidates at the peak rate, kept by ratio
         if t >= duration_s:
             return out
         if rng.random() > _rate(shape, t, duration_s):
             continue
-        service = "code" if rng.random() < code_share(t / duration_s) else "chat"
+        service = "code" if rng.random() < code_share(max(0.0, t) / duration_s) else "chat"
         lengths = rng.choice(services[service])
         out.append(TraceRequest(t, lengths.prompt_tokens, lengths.output_tokens, slo_class=service))

@@ -10,7 +10,8 @@ would:
 * a pod removed first stops taking requests, finishes those it was given (a pre-stop drain), and
   stops counting once empty; a pod asked back while draining serves again at once (it is loaded);
   a pod still starting is cancelled first;
-* the autoscaler acts only once the window is full (`window_s`), as a deployed one has history.
+* the autoscaler acts from the first tick after its window is full; `remember` gives it the
+  traffic of before the run, as a deployed one has (otherwise it waits `window_s`).
 
 It records the GPU-seconds of every pod (prefill pods run the whole time), each change of the
 replica count, and a timeline of serving / starting / draining pods for the plots.
@@ -27,6 +28,7 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.demand import DemandWindow
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.request import EngineRequest
+from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.cluster import Simulation
 
 __all__ = ["ElasticController", "Timeline"]
@@ -82,6 +84,13 @@ class ElasticController:
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
 
+    def remember(self, history: Sequence[TraceRequest]) -> None:
+        """Traffic from before the run (negative arrivals): into the window, as a router that
+        has been running has it; not simulated. Its completions give the mix, at no latency."""
+        for r in history:
+            self.window.arrived(r.arrival_s)
+            self.window.finished(r.arrival_s, r.prompt_tokens, r.output_tokens, 0.0, 0.0)
+
     # ------------------------------------------------------------------ what the router sees
     def arrived(self, req: EngineRequest, now: float) -> None:
         self.window.arrived(now)
@@ -115,7 +124,7 @@ class ElasticController:
             self._draining.discard(name)
         demand = self.window.demand(now)
         self._record(now, demand.arrival_rps)
-        if now < self.window.window_s:
+        if demand.window_s < self.window.window_s:  # a young window: not enough to act on
             return
         serving = sim.serving
         state = PoolState(
