@@ -205,3 +205,25 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
         main(argv)
     assert info.value.code == 2
     capsys.readouterr()
+
+
+# --- plan --------------------------------------------------------------------------------------
+
+
+def test_plan_prints_each_policys_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--scenario", str(TRACE_EXAMPLE), "--target-goodput", "0.9",
+            "--max-gpus", "4", "--json", str(out), "--workers", "1"]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    scenario = yaml.safe_load(TRACE_EXAMPLE.read_text(encoding="utf-8"))
+    assert list(doc["findings"]["plan"]) == scenario["policies"]
+    stdout = capsys.readouterr().out
+    assert "fewest GPUs reaching goodput 0.9" in stdout
+    assert all(f"| {p} |" in stdout for p in scenario["policies"])
+
+
+def test_plan_refuses_a_bad_target(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--scenario", str(TRACE_EXAMPLE), "--target-goodput", "1.5"]
+    assert main(args) == 2
+    assert "--target-goodput" in capsys.readouterr().err

@@ -5,6 +5,7 @@
     disaggpool sim autoscale [--quick] [--json FILE] [--plots DIR]
                          [--workers N]
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
+    disaggpool plan --scenario FILE --target-goodput X [--max-gpus N] [--json FILE]
     disaggpool profile list
     disaggpool profile show NAME|FILE [--format yaml|json]
     disaggpool emulate --profile NAME|FILE [--port 8000] [...]     (see `disaggpool emulate -h`)
@@ -137,6 +138,29 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
             ],
         )
     )
+    _write_json(doc, args.json)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from disaggpool.sim import plan
+    from disaggpool.sim.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    if not 0 < args.target_goodput <= 1:
+        raise InputError(
+            "--target-goodput", "value", f"must be in (0, 1], got {args.target_goodput}"
+        )
+    if args.max_gpus is not None and args.max_gpus < 2:
+        raise InputError("--max-gpus", "value", f"must be at least 2, got {args.max_gpus}")
+    doc = plan.plan_scenario(
+        scenario,
+        args.target_goodput,
+        max_gpus=args.max_gpus,
+        workers=args.workers,
+        progress=_progress("plan"),
+    )
+    print(plan.tables(doc))
     _write_json(doc, args.json)
     return 0
 
@@ -287,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="FILE")
     r.add_argument("--workers", type=int, default=None)
     r.set_defaults(func=cmd_sim_run)
+    pl = sub.add_parser(
+        "plan", help="fewest GPUs and prefill/decode split reaching a goodput, per policy"
+    )
+    pl.add_argument("--scenario", required=True, metavar="FILE", help="as for `sim run`")
+    pl.add_argument("--target-goodput", required=True, type=float, metavar="X")
+    pl.add_argument("--max-gpus", type=int, default=None, help="default: twice the file's pool")
+    pl.add_argument("--json", metavar="FILE")
+    pl.add_argument("--workers", type=int, default=None)
+    pl.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("calibrate", help="probe one vLLM pod and fit its calibration profile")
     c.add_argument(
