@@ -227,3 +227,10 @@ def test_plan_refuses_a_bad_target(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--scenario", str(TRACE_EXAMPLE), "--target-goodput", "1.5"]
     assert main(args) == 2
     assert "--target-goodput" in capsys.readouterr().err
+
+
+def test_sim_autoscale_needs_the_scenarios_autoscaling_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["sim", "autoscale", "--scenario", str(TRACE_EXAMPLE)]) == 2
+    assert "autoscaling: missing" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     disaggpool sim paper [--quick] [--setup both|llama8b|paper] [--json FILE] [--plots DIR]
     disaggpool sim prefix [--quick] [--json FILE] [--plots DIR]
-    disaggpool sim autoscale [--quick] [--json FILE] [--plots DIR]
+    disaggpool sim autoscale [--quick | --scenario FILE] [--json FILE] [--plots DIR]
                          [--workers N]
     disaggpool sim run --scenario FILE [--json FILE] [--workers N]
     disaggpool plan --scenario FILE --target-goodput X [--max-gpus N] [--json FILE]
@@ -104,13 +104,20 @@ def cmd_sim_prefix(args: argparse.Namespace) -> int:
 def cmd_sim_autoscale(args: argparse.Namespace) -> int:
     from disaggpool.sim import autoscale_report, autoscale_study
 
-    cfg = (
-        autoscale_study.AutoscaleConfig.quick() if args.quick else autoscale_study.AutoscaleConfig()
-    )
     start = time.perf_counter()
-    doc = autoscale_study.run_autoscale(
-        cfg, workers=args.workers, progress=_progress("sim autoscale")
-    )
+    progress = _progress("sim autoscale")
+    if args.scenario:
+        from disaggpool.sim.scenario import load_scenario
+
+        scenario = load_scenario(args.scenario)
+        if scenario.autoscaling is None:
+            raise InputError(args.scenario, "autoscaling", "missing (SCENARIOS.md, Autoscaling)")
+        doc = autoscale_study.run_scenario(scenario, workers=args.workers, progress=progress)
+    else:
+        cfg = autoscale_study.AutoscaleConfig()
+        if args.quick:
+            cfg = autoscale_study.AutoscaleConfig.quick()
+        doc = autoscale_study.run_autoscale(cfg, workers=args.workers, progress=progress)
     return _report_experiment(
         doc, start, autoscale_report.tables, autoscale_report.write_plots, args
     )
@@ -300,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_sim_prefix)
     a = sim.add_parser("autoscale", help="decode autoscalers side by side on time-varying traffic")
     a.add_argument("--quick", action="store_true", help="every traffic shape, small")
+    a.add_argument(
+        "--scenario", metavar="FILE", help="your pool and trace, with an autoscaling: section"
+    )
     a.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     a.add_argument("--plots", metavar="DIR", help="write PNG plots")
     a.add_argument(

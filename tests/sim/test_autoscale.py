@@ -144,3 +144,60 @@ def test_findings_say_when_ours_is_not_the_cheapest_at_its_goodput() -> None:
     f = findings(rows)["t"]
     assert f["vs_static_points"] == -2.0 and f["gpu_hours_saved"] == 0.25
     assert f["cheaper_than_every_rival_at_equal_goodput"] is False
+
+
+def autoscale_scenario(tmp_path, section: str) -> object:  # type: ignore[no-untyped-def]
+    from disaggpool.sim.scenario import load_scenario
+
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        f"""
+name: grow
+pool:
+  prefill: [{{count: 2, profile: a40-qwen2.5-3b}}]
+  decode: [{{count: 1, profile: a40-qwen2.5-3b}}]
+slo_classes: [{{name: chat, ttft_s: 2.0, tpot_s: 0.05}}]
+trace:
+  generate: {{process: poisson, rate: 16, n: 2400, prompt_mean: 1000, output_mean: 200,
+             sigma: 0.6, classes: {{chat: 1.0}}}}
+policies: [least_loaded, calibrated]
+{section}
+"""
+    )
+    return load_scenario(path)
+
+
+def test_a_scenario_file_compares_autoscalers_from_its_own_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from disaggpool.sim.autoscale_study import run_scenario
+
+    s = autoscale_scenario(
+        tmp_path,
+        "autoscaling: {max_decode: 3, startup_s: 20, stabilization_s: 60,"
+        " autoscalers: [static_peak, disaggpool]}",
+    )
+    doc = run_scenario(s, workers=2)  # type: ignore[arg-type]
+    rows = {r["autoscaler"]: r for r in doc["experiments"]["autoscale"]}
+    assert doc["config"]["policy"] == "calibrated"
+    assert rows["static_peak"]["timeline"]["decode_pods"][0] == 3  # the peak pool throughout
+    ours = rows["disaggpool"]
+    assert ours["timeline"]["decode_pods"][0] == 1  # the file's pool is where it starts
+    assert ours["max_decode"] == 3 and ours["scale_events"] >= 1  # 16 req/s needs more
+    assert ours["gpu_hours"] < rows["static_peak"]["gpu_hours"]
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ("autoscaling: {min_decode: 1}", "autoscaling.max_decode"),
+        ("autoscaling: {min_decode: 2, max_decode: 3}", "autoscaling.max_decode"),
+        ("autoscaling: {max_decode: 3, autoscalers: [hpa]}", "autoscaling.autoscalers[0]"),
+        ("autoscaling: {max_decode: 3, target_goodput: 1}", "autoscaling.target_goodput"),
+        ("autoscaling: {max_decode: 3, colour: red}", "autoscaling.colour"),
+    ],
+)
+def test_a_bad_autoscaling_section_names_its_field(tmp_path, section: str, field: str) -> None:  # type: ignore[no-untyped-def]
+    from disaggpool.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        autoscale_scenario(tmp_path, section)
+    assert err.value.field == field, str(err.value)

@@ -46,8 +46,15 @@ from disaggpool.sim.metrics import summarize
 from disaggpool.sim.operating_point import Progress
 from disaggpool.sim.pools import perturbed
 from disaggpool.sim.runner import run_all, staged
+from disaggpool.sim.scenario import Scenario
 
-__all__ = ["AutoscaleConfig", "AutoscaleSpec", "execute_autoscale", "run_autoscale"]
+__all__ = [
+    "AutoscaleConfig",
+    "AutoscaleSpec",
+    "execute_autoscale",
+    "run_autoscale",
+    "run_scenario",
+]
 
 PROFILE = "a40-qwen2.5-3b"
 PEAK_FILL = 0.75  # the peak as a share of the largest pool's decode capacity
@@ -197,6 +204,60 @@ def run_autoscale(
     return {
         "config": dataclasses.asdict(cfg),
         "setup": {"profile": PROFILE, "peak_rps": round(peak, 3), "slo": _slo_doc(slo)},
+        "experiments": {"autoscale": rows},
+        "findings": {"autoscale": findings(rows)},
+    }
+
+
+def run_scenario(
+    scenario: Scenario, *, workers: int | None = None, progress: Progress | None = None
+) -> dict[str, Any]:
+    """The autoscalers of the file's `autoscaling:` section on its own traffic: its pool is the
+    starting pool (the static one serves `max_decode` throughout), decode pods beyond it are
+    drawn from its decode instances in order, repeating; the routing policy is `calibrated` when
+    the file lists it, else its first."""
+    a = scenario.autoscaling
+    if a is None:
+        raise ValueError("the scenario has no autoscaling: section")
+    policy = "calibrated" if "calibrated" in scenario.policies else scenario.policies[0]
+    bounds = Bounds(a.min_decode, a.max_decode, a.startup_s, a.stabilization_s)
+    prefill = [i for i in scenario.instances if i.role == "prefill"]
+    decode = [i for i in scenario.instances if i.role == "decode"]
+    extra = []
+    for k in range(len(decode), a.max_decode):
+        src = decode[k % len(decode)]
+        name = f"decode-{k}"
+        extra.append(
+            InstanceSpec(
+                name,
+                "decode",
+                dataclasses.replace(src.true_profile, name=name),
+                src.believed_profile and dataclasses.replace(src.believed_profile, name=name),
+                standby=True,
+            )
+        )
+    specs = []
+    for seed in scenario.seeds:
+        for name in a.autoscalers:
+            standby = [dataclasses.replace(e, standby=name != "static_peak") for e in extra]
+            specs.append(
+                AutoscaleSpec(
+                    scenario.name,
+                    scenario.trace,
+                    (*prefill, *decode, *standby),
+                    scenario.slo_classes,
+                    name,
+                    bounds,
+                    seed,
+                    a.target_goodput,
+                    policy,
+                    scenario.router.scrape_interval_s or 1.0,
+                )
+            )
+    tick = staged(progress, "runs", len(specs))
+    rows = run_all(specs, workers=workers, progress=tick, run=execute_autoscale)
+    return {
+        "config": {"scenario": scenario.name, **dataclasses.asdict(a), "policy": policy},
         "experiments": {"autoscale": rows},
         "findings": {"autoscale": findings(rows)},
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from disaggpool.core.autoscaling_baselines import AUTOSCALERS
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
@@ -36,7 +37,20 @@ from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.prefix_workload import PrefixShape, prefix_sessions
 from disaggpool.sim.runner import RunSpec
 
-__all__ = ["Scenario", "load_scenario"]
+__all__ = ["Scenario", "ScenarioAutoscaling", "load_scenario"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioAutoscaling:
+    """The `autoscaling:` section (`sim autoscale --scenario`): the decode bounds, a new pod's
+    cold start, the scale-down window, our target, and the autoscalers to compare."""
+
+    min_decode: int
+    max_decode: int
+    startup_s: float = 120.0
+    stabilization_s: float = 300.0
+    target_goodput: float = 0.9
+    autoscalers: tuple[str, ...] = AUTOSCALERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +67,7 @@ class Scenario:
     router: RouterOptions = dataclasses.field(default_factory=RouterOptions)
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
     prefix_caching: bool = True
+    autoscaling: ScenarioAutoscaling | None = None
 
     def _options(self, policy: str) -> PolicyOptions:
         """The file's switches as they apply to `policy` (`pd_decider` and `priority_scheduling`
@@ -108,6 +123,7 @@ def load_scenario(path: str | Path) -> Scenario:
             "predictor",
             "jitter",
             "router",
+            "autoscaling",
         },
     )
     base = path.parent
@@ -144,7 +160,12 @@ def load_scenario(path: str | Path) -> Scenario:
         raise rd.fail(
             "router.prefix_index", f"must be true for {', '.join(needs_index)} (prefix-cache rules)"
         )
+    autoscaling = None
+    if "autoscaling" in doc:
+        n_decode = sum(1 for i in instances if i.role == "decode")
+        autoscaling = _autoscaling(rd, doc["autoscaling"], n_decode)
     return Scenario(
+        autoscaling=autoscaling,
         router=router,
         options=options,
         prefix_caching=prefix_caching,
@@ -199,6 +220,44 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
                 r.get("priority_scheduling", False), "router.priority_scheduling"
             ),
         ),
+    )
+
+
+def _autoscaling(rd: FieldReader, raw: Any, n_decode: int) -> ScenarioAutoscaling:
+    a = rd.mapping(raw, "autoscaling")
+    rd.known(
+        a,
+        "autoscaling",
+        {"min_decode", "max_decode", "startup_s", "stabilization_s", "target_goodput",
+         "autoscalers"},
+    )  # fmt: skip
+    lo = rd.integer(a.get("min_decode", 1), "autoscaling.min_decode", minimum=1)
+    if "max_decode" not in a:
+        raise rd.fail("autoscaling.max_decode", "missing")
+    hi = rd.integer(a["max_decode"], "autoscaling.max_decode", minimum=lo)
+    if not lo <= n_decode <= hi:
+        raise rd.fail(
+            "autoscaling.max_decode",
+            f"the pool's {n_decode} decode instances (the starting pool) must lie in "
+            f"[min_decode {lo}, max_decode {hi}]",
+        )
+    target = rd.number(a.get("target_goodput", 0.9), "autoscaling.target_goodput", positive=True)
+    if not 0.5 <= target < 1:
+        raise rd.fail("autoscaling.target_goodput", f"must be in [0.5, 1), got {target}")
+    names = rd.nonempty_list(a.get("autoscalers", list(AUTOSCALERS)), "autoscaling.autoscalers")
+    for i, n in enumerate(names):
+        if n not in AUTOSCALERS:
+            raise rd.fail(
+                f"autoscaling.autoscalers[{i}]",
+                f"unknown autoscaler {n!r}; valid: {', '.join(AUTOSCALERS)}",
+            )
+    return ScenarioAutoscaling(
+        lo,
+        hi,
+        rd.number(a.get("startup_s", 120.0), "autoscaling.startup_s"),
+        rd.number(a.get("stabilization_s", 300.0), "autoscaling.stabilization_s"),
+        target,
+        tuple(names),
     )
 
 
