@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
         # Play the kubelet: a prefill pod appears, then turns Ready with an IP.
         pods = "/api/v1/namespaces/default/pods"
         await _post(kmock, pods, _pod("small-prefill-0", "small", "prefill"))
-        await _patch(kmock, f"{pods}/small-prefill-0", {"status": ready_pod_status("10.1.0.5")})
+        await _patch(kmock, f"{pods}/small-prefill-0", {"status": ready_pod_status("198.18.0.5")})
 
         async def job_for_pod() -> dict[str, Any] | None:
             for key in list(kmock.objects):
@@ -173,7 +174,7 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
 
         job = await eventually(job_for_pod, "a calibration Job for the Ready pod", log_path=log)
         args = job["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--endpoint") + 1] == "http://10.1.0.5:8000"
+        assert args[args.index("--endpoint") + 1] == "http://198.18.0.5:8000"
         assert args[args.index("--configmap") + 1] == "default/small-profile-small-prefill-0"
         assert job["metadata"]["ownerReferences"][0]["uid"] == uid
 
@@ -234,5 +235,57 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
         assert cond["reason"] == "InvalidSpec" and "decode.minReplicas" in cond["message"]
         assert _get(kmock, "apps/v1/deployments", "default", "small-decode") is not None
         assert proc.returncode is None  # no crash loop
+    finally:
+        await stop_operator(proc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.kmock(cls=RealisticEmulator)
+async def test_the_running_operator_follows_the_routers_recommendation(
+    kmock: Any, tmp_path: Path
+) -> None:
+    """The Kopf wiring: the router writing its recommendation on the pool wakes the operator,
+    which scales decode within the bounds and reports it; a malformed one is reported, ignored."""
+    kubeconfig = _setup(kmock, tmp_path)
+    log = tmp_path / "operator.log"
+    proc = await start_operator(kubeconfig, log)
+    path = "/apis/disaggpool.io/v1alpha1/namespaces/default/disaggpools/small"
+    try:
+        cr = load_sample("small.yaml")
+        cr["spec"]["decode"] = {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}
+        cr["spec"]["autoscaling"] = {"enabled": True}
+        await _post(kmock, "/apis/disaggpool.io/v1alpha1/namespaces/default/disaggpools", cr)
+
+        def decode_replicas() -> int | None:
+            d = _get(kmock, "apps/v1/deployments", "default", "small-decode")
+            return None if d is None else int(d["spec"]["replicas"])
+
+        async def replicas_are(n: int) -> bool:
+            return decode_replicas() == n
+
+        await eventually(lambda: replicas_are(1), "decode at decode.replicas", log_path=log)
+        key = "disaggpool.io/decode-recommendation"
+        body = {"replicas": 5, "reason": "busy", "at": "2026-12-04T12:00:00+00:00"}
+        await _patch(kmock, path, {"metadata": {"annotations": {key: json.dumps(body)}}})
+        await eventually(lambda: replicas_are(3), "decode scaled to the bound", log_path=log)
+
+        async def autoscaling_status() -> dict[str, Any] | None:
+            st = (_get(kmock, POOLS, "default", "small") or {}).get("status") or {}
+            a = st.get("autoscaling") or {}
+            return a if a.get("replicas") == 3 else None
+
+        a = await eventually(autoscaling_status, "status.autoscaling", log_path=log)
+        assert a["recommendedReplicas"] == 5 and "bounds 1..3" in a["reason"]
+
+        await _patch(kmock, path, {"metadata": {"annotations": {key: "{broken"}}})
+
+        async def reported() -> str | None:
+            st = (_get(kmock, POOLS, "default", "small") or {}).get("status") or {}
+            error: str | None = (st.get("autoscaling") or {}).get("error")
+            return error
+
+        assert "not JSON" in await eventually(reported, "the bad recommendation", log_path=log)
+        assert decode_replicas() == 3  # ignored: the pool keeps the count it has
+        assert proc.returncode is None
     finally:
         await stop_operator(proc)

@@ -65,7 +65,13 @@ def test_a_bad_recommendation_is_reported_and_ignored(annotation: str, message: 
     got, error = read_recommendation({DECODE_RECOMMENDATION_ANNOTATION: annotation})
     assert got is None and message in error and DECODE_RECOMMENDATION_ANNOTATION in error
     scale = decode_scale(spec(), {DECODE_RECOMMENDATION_ANNOTATION: annotation})
-    assert scale.replicas == 2 and scale.status()["error"] == error
+    assert scale.replicas == 2 and scale.status()["error"] == error  # nothing applied before
+    kept = decode_scale(
+        spec(),
+        {DECODE_RECOMMENDATION_ANNOTATION: annotation},
+        {"replicas": 4, "source": "autoscaler"},
+    )
+    assert kept.replicas == 4 and kept.error == error  # the pool keeps the count it has
 
 
 def test_bad_autoscaling_specs_name_their_field() -> None:

@@ -177,7 +177,7 @@ async def reconcile(
         ):
             await note("InvalidSpec", message, warning=True)
     elif spec is not None:
-        scale = decode_scale(spec, annotations)
+        scale = decode_scale(spec, annotations, previous.get("autoscaling"))
         await _note_scale(scale, previous, note)
         desired = render_pool(pool, with_decode_replicas(spec, scale.replicas))
         outcomes = {}
@@ -239,7 +239,7 @@ async def reconcile(
         await _execute(kube, pool, plan, result, note, previous)
 
     if effective is not None and scale is None:  # an invalid spec: the last one applied runs
-        scale = decode_scale(effective, annotations)
+        scale = decode_scale(effective, annotations, previous.get("autoscaling"))
     in_force = with_decode_replicas(effective, scale.replicas) if effective and scale else None
     status = compute_status(
         pool, in_force, issues, applied_generation, pods, plan, router_ready, previous, now

@@ -76,13 +76,19 @@ def read_recommendation(annotations: Mapping[str, Any]) -> tuple[Recommendation 
     return Recommendation(n, str(doc.get("reason", "")), str(doc.get("at", ""))), ""
 
 
-def decode_scale(spec: PoolSpec, annotations: Mapping[str, Any]) -> DecodeScale:
-    """The decode replicas to render for `spec` given the pool's annotations."""
+def decode_scale(
+    spec: PoolSpec, annotations: Mapping[str, Any], previous: Mapping[str, Any] | None = None
+) -> DecodeScale:
+    """The decode replicas to render for `spec` given the pool's annotations; `previous`: the
+    last `status.autoscaling`, whose count a malformed recommendation leaves in place."""
     if not spec.autoscaling.enabled:
         return DecodeScale(spec.decode.replicas, "spec", "autoscaling disabled: decode.replicas")
     rec, error = read_recommendation(annotations)
+    if rec is None and error and previous and isinstance(previous.get("replicas"), int):
+        kept = int(previous["replicas"])
+        return DecodeScale(kept, str(previous.get("source", "spec")), f"{error}: kept", error=error)
     if rec is None:
-        why = error or "no recommendation from the router yet"
+        why = "no recommendation from the router yet"
         return DecodeScale(spec.decode.replicas, "spec", f"{why}: decode.replicas", error=error)
     lo = spec.decode.min_replicas or 0
     hi = spec.decode.max_replicas if spec.decode.max_replicas is not None else rec.replicas
