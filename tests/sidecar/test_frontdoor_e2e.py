@@ -373,6 +373,9 @@ def test_the_routers_autoscaler_reads_the_traffic_it_routes(start_pool, start_si
         "the autoscaler's first recommendation after the burst",
     )
     assert 1 <= metric(sc.url, "disaggpool_autoscaler_desired_decode_replicas") <= 4
+    rate = metric(sc.url, "disaggpool_demand_requests_per_second")
+    tokens = metric(sc.url, "disaggpool_demand_tokens_per_second")
+    assert tokens > 30 * rate  # every request carried 40+ prompt and 30 output tokens
     service = sc.running.service
     assert service.demand.demand(service.clock()).finished == 24
-    assert metric(sc.url, "disaggpool_autoscaler_publish_failures_total") == 0
+    assert metric(sc.url, "disaggpool_pool_annotation_failures_total") == 0

@@ -64,10 +64,7 @@ class DecodeRecommender:
         )
         demand = svc.demand.demand(svc.clock())
         decision = self._scaler.decide(demand, state)
-        m = svc.metrics
-        m.demand_rate.set(demand.arrival_rps)
-        m.demand_dispersion.set(demand.dispersion)
-        m.desired_decode.set(decision.replicas)
+        svc.metrics.desired_decode.set(decision.replicas)
         return decision
 
     def current(self) -> tuple[Any, dict[str, Any]] | None:

@@ -21,8 +21,10 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   ``ttft`` and ``tpot`` (histogram), the calibration-drift signal;
 * `disaggpool_traffic_heterogeneity`: CV of per-request token work over the window
   (`core.heterogeneity`);
-* `disaggpool_demand_requests_per_second` and `disaggpool_demand_dispersion` (arrival rate over
-  the last minute, index of dispersion of arrivals: `core.demand`), and with `autoscaling`:
+* `disaggpool_demand_requests_per_second`, `disaggpool_demand_tokens_per_second` (the same
+  times the mean prompt + output tokens of recent requests) and `disaggpool_demand_dispersion`
+  (arrivals over the last minute, their index of dispersion over ten: `core.demand`, computed at
+  scrape time); with `autoscaling`:
   `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends);
   `disaggpool_pod_prediction_error{pod}` (the pod's drift error, `core.drift`: median relative
   error of its recent TTFT or TPOT predictions, the larger) and
@@ -55,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from disaggpool.core.demand import Demand
 from disaggpool.sidecar.state import PoolState
 
 __all__ = ["SidecarMetrics"]
@@ -135,6 +138,23 @@ class _PodCollector(Collector):
             yield source
 
 
+class _DemandCollector(Collector):
+    """The demand window, read at scrape time (what the decode autoscaler reads)."""
+
+    def __init__(self, demand: Callable[[], Demand]) -> None:
+        self.demand = demand
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.demand()
+        tokens = d.arrival_rps * (d.mean_prompt + d.mean_output)
+        for name, text, value in (
+            ("requests_per_second", "arrivals per second over the last minute", d.arrival_rps),
+            ("tokens_per_second", "arrivals x mean prompt + output tokens", tokens),
+            ("dispersion", "index of dispersion of arrivals (1 = Poisson)", d.dispersion),
+        ):
+            yield GaugeMetricFamily(f"disaggpool_demand_{name}", text, value=value)
+
+
 class SidecarMetrics:
     """All series of one sidecar (see the module docstring)."""
 
@@ -144,6 +164,7 @@ class SidecarMetrics:
         now: Callable[[], float],
         window: int = 512,
         kv_events_stale_s: float | None = None,
+        demand: Callable[[], Demand] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -206,14 +227,6 @@ class SidecarMetrics:
         self.inflight = Gauge(
             "disaggpool_inflight_requests", "requests routed and not finished", registry=r
         )
-        self.demand_rate = Gauge(
-            "disaggpool_demand_requests_per_second", "arrival rate over the demand window",
-            registry=r,
-        )  # fmt: skip
-        self.demand_dispersion = Gauge(
-            "disaggpool_demand_dispersion", "index of dispersion of arrivals (1 = Poisson)",
-            registry=r,
-        )  # fmt: skip
         self.desired_decode = Gauge(
             "disaggpool_autoscaler_desired_decode_replicas",
             "decode replicas the router's autoscaler recommends", registry=r,
@@ -239,6 +252,8 @@ class SidecarMetrics:
             "disaggpool_prefill_retries", "prefill legs retried on another pod", registry=r
         )
         r.register(_PodCollector(state, now, kv_events_stale_s))
+        if demand is not None:
+            r.register(_DemandCollector(demand))
         self._window = window
         self._outcomes: dict[str, collections.deque[bool]] = {}
         self._met: dict[str, int] = {}

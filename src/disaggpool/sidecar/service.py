@@ -126,14 +126,15 @@ class RoutingService:
         self.rng = random.Random(seed)
         self.clock = clock
         events = config.kv_events
+        self.demand = DemandWindow()  # what the decode autoscaler reads (sidecar.autoscale)
         self.metrics = SidecarMetrics(
             self.state,
             clock,
             config.heterogeneity_window,
             events.stale_after_s if events is not None else None,
+            demand=lambda: self.demand.demand(self.clock()),
         )
         self.spread = SlidingSpread(config.heterogeneity_window)
-        self.demand = DemandWindow()  # what the decode autoscaler reads (sidecar.autoscale)
         drift = config.drift
         self.drift = DriftTracker(drift.window, drift.min_samples) if drift else DriftTracker()
         self._kept_logged: dict[str, str] = {}  # pod -> fitted_at of an untrusted profile refused
