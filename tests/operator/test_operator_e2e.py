@@ -376,9 +376,9 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
         )  # fmt: skip
         written = await task.step()
         decision = written["disaggpool.io/decode-recommendation"]
-        # 50 req/s needs 8 pods of this profile; the router's own bounds (rendered from the
+        # 50 req/s needs 9 pods of this profile; the router's own bounds (rendered from the
         # pool's) cap its recommendation at 3.
-        assert decision["replicas"] == 3 and "-> 8" in decision["reason"]
+        assert decision["replicas"] == 3 and "-> 9" in decision["reason"]
         assert await task.step() == {}  # unchanged: not written again
         pool = _json(cluster, "dpool", "small", "-n", "scale")
         on_pool = json.loads(pool["metadata"]["annotations"]["disaggpool.io/decode-recommendation"])

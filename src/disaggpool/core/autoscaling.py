@@ -15,19 +15,12 @@ distribution. But a slot is sized for the *mean* context; a request of token wor
 E[w] of one, so the load in mean-sized slots is a compound Poisson sum with mean L and variance
 L * E[(w/E[w])^2] = L * (1 + cv^2), cv the traffic heterogeneity of `core.heterogeneity`. Bursty
 arrivals scale the variance again by the index of dispersion D of arrival counts (1 for Poisson).
-So, under a normal approximation, the load K has mean L and standard deviation
-sigma = sqrt(D * L * (1 + cv^2)). Load beyond the pool's S slots waits for a slot, and a request
-that waits misses its TTFT; so the share of requests that miss is the share of load that does
-not fit, E[(K - S)+] / L. For a normal K that is sigma * G(z) / L with z = (S - L) / sigma and
-G(z) = phi(z) - z * (1 - Phi(z)) the standard normal loss function. The pool must hold
+So the pool must hold
 
-    S = L + z * sigma   mean-sized slots,   z solving  sigma * G(z) = (1 - target goodput) * L,
+    S = L + z * sqrt(D * L * (1 + cv^2))   mean-sized slots,   z = Phi^-1(target goodput),
 
-with z at least 0 (a pool below its mean load queues without bound, which the loss picture does
-not see), and the decode instances needed are ceil(S / B). Heterogeneity and burstiness set the
-headroom through sigma, the target through z; no factor is tuned. (Sizing for the target
-*quantile* of K instead, z = Phi^-1(target), over-provisions: a load just over capacity delays a
-few requests, not all of them.)
+i.e. the target quantile of the load under a normal approximation, and the decode instances
+needed are ceil(S / B). Heterogeneity and burstiness set the headroom; neither is a tuned factor.
 A new pod serves only after its cold start (vLLM loading the model, then the calibration probe),
 so lambda is read one cold start ahead along the window's trend (only upwards: a falling trend is
 left to the scale-down stabilisation).
@@ -66,8 +59,6 @@ __all__ = [
     "ScaleDecision",
     "Stabilizer",
     "decode_capacity",
-    "loss_z",
-    "normal_loss",
     "slots_needed",
 ]
 
@@ -185,44 +176,16 @@ class Stabilizer:
         return b.clamp(current)
 
 
-_NORMAL = NormalDist()
-
-
-def normal_loss(z: float) -> float:
-    """E[(X - z)+] for a standard normal X: phi(z) - z * (1 - Phi(z)), decreasing in z."""
-    return _NORMAL.pdf(z) - z * (1.0 - _NORMAL.cdf(z))
-
-
-def loss_z(ratio: float) -> float:
-    """The z with normal_loss(z) = `ratio` (bisection; clamped to [-6, 8])."""
-    lo, hi = -6.0, 8.0
-    if ratio >= normal_loss(lo):
-        return lo
-    if ratio <= normal_loss(hi):
-        return hi
-    for _ in range(60):
-        mid = (lo + hi) / 2.0
-        if normal_loss(mid) > ratio:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2.0
-
-
-def slots_needed(
-    demand: Demand, residence_s: float, target_goodput: float, lookahead_s: float
-) -> float:
-    """Mean-sized decode slots the traffic needs so that at most 1 - `target_goodput` of its load
-    waits, `lookahead_s` after now (module docstring). The window's mean rate is that of its
-    middle, half a window ago."""
+def slots_needed(demand: Demand, residence_s: float, z: float, lookahead_s: float) -> float:
+    """Mean-sized decode slots the traffic needs at quantile `z`, `lookahead_s` after now
+    (module docstring). The window's mean rate is that of its middle, half a window ago."""
     ahead = lookahead_s + demand.window_s / 2.0
     rate = demand.arrival_rps + max(0.0, demand.rate_slope) * ahead
     load = rate * residence_s
     if load <= 0:
         return 0.0
-    sigma = math.sqrt(max(1.0, demand.dispersion) * load * (1.0 + demand.work_cv**2))
-    # Never below the mean load: a pool smaller than that queues without bound.
-    return load + max(0.0, loss_z((1.0 - target_goodput) * load / sigma)) * sigma
+    spread = max(1.0, demand.dispersion) * load * (1.0 + demand.work_cv**2)
+    return load + z * math.sqrt(spread)
 
 
 class HeterogeneityScaler:
@@ -245,7 +208,7 @@ class HeterogeneityScaler:
         self.bounds = bounds
         self.profiles = list(profiles)
         self.tpot_s = tpot_s
-        self.target_goodput = target_goodput
+        self.z = NormalDist().inv_cdf(target_goodput)
         self.stabilizer = Stabilizer(bounds)
 
     def wish(self, demand: Demand, waiting: int = 0) -> tuple[int, str]:
@@ -260,8 +223,7 @@ class HeterogeneityScaler:
         batch = median(c.batch for c in caps)
         residence = max(1.0, demand.mean_output) * median(c.step_s for c in caps)
         # A queue is load the steady-state formula does not see: it needs slots on top.
-        slots = slots_needed(demand, residence, self.target_goodput, self.bounds.startup_s)
-        slots += waiting
+        slots = slots_needed(demand, residence, self.z, self.bounds.startup_s) + waiting
         n = math.ceil(slots / batch - 1e-9)
         return n, (
             f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s), cv "
