@@ -73,7 +73,9 @@ class ElasticController:
         self.window = window or DemandWindow()
         self.sim: Simulation | None = None
         self._ready_at: dict[str, float] = {}  # starting pods
-        self._draining: set[str] = set()
+        # In the order they started draining (a dict, not a set: runs must not depend on the
+        # process's string hashing).
+        self._draining: dict[str, None] = {}
         self._last_t = 0.0
         self.gpu_s = 0.0
         self.decode_gpu_s = 0.0
@@ -121,7 +123,7 @@ class ElasticController:
             del self._ready_at[name]
             sim.serve(name)
         for name in [n for n in self._draining if sim.drained(n)]:
-            self._draining.discard(name)
+            del self._draining[name]
         demand = self.window.demand(now)
         self._record(now, demand.arrival_rps)
         if demand.window_s < self.window.window_s:  # a young window: not enough to act on
@@ -148,8 +150,9 @@ class ElasticController:
         assert sim is not None
         current = len(self._serving()) + len(self._ready_at)
         while current < target:
-            if self._draining:  # loaded already: it serves again at once
-                name = self._draining.pop()
+            if self._draining:  # loaded already: the last one drained serves again at once
+                name = next(reversed(self._draining))
+                del self._draining[name]
                 sim.serve(name)
             else:
                 idle = [n for n in self.names if self._off(n)]
@@ -167,7 +170,7 @@ class ElasticController:
                 # The pod with the least left to finish drains fastest.
                 name = min(serving, key=lambda n: sim.bound(n))
                 sim.drain(name)
-                self._draining.add(name)
+                self._draining[name] = None
             current -= 1
 
     def _off(self, name: str) -> bool:
