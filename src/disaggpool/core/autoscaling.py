@@ -1,8 +1,8 @@
 """Decode autoscaling by traffic heterogeneity: how many decode instances the recent traffic needs.
 
 Pure: every call takes the `Demand` of `core.demand` (which carries `now`) and the pool's state;
-no clock, no I/O. The operator, the simulator and the sidecar's exported "desired replicas" all
-run this code.
+no clock, no I/O. The simulator and the router (`sidecar.autoscale`, whose recommendation the
+operator applies) run this code.
 
 **Capacity of one instance for the current mix** (`decode_capacity`, the calibrated constants):
 the largest batch B whose step time at the mix's mean context meets the TPOT target, fits the KV
@@ -25,6 +25,7 @@ needed are ceil(S / B). Heterogeneity and burstiness set the headroom; neither i
 function, needs less headroom and saved more GPU-hours on smooth traffic in `sim autoscale`, but
 lost 4.7 points of goodput on bursts, where load over capacity queues and delays what follows
 instead of vanishing: the quantile stays.)
+
 A new pod serves only after its cold start (vLLM loading the model, then the calibration probe),
 so lambda is read one cold start ahead along the window's trend (only upwards: a falling trend is
 left to the scale-down stabilisation).
