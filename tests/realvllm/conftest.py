@@ -329,6 +329,7 @@ class PDPair:
         # A slow leg may have outlived P's 30 s lease; let the expiry (and its counters) land
         # before taking the baseline that test_pd_metrics compares with.
         time.sleep(max(0.0, 35 - slowest) + 2 if slowest > 10 else 1)
+        self._settle_expiries()
         self.warmup = {
             "first_plain_requests_s": first_requests_s,
             "handoffs": attempts,
@@ -339,6 +340,23 @@ class PDPair:
             "error": attempts[-1]["error"],
         }
         return self.warmup
+
+    def _settle_expiries(self, timeout_s: float = 30.0) -> None:
+        """A warm-up leg that outlived P's lease leaves P an expired request; D's late read of it
+        reaches P as a notification whenever P's loop gets to it, seconds later (seen in CI: 8 s
+        after the leg returned, after the baseline was taken, which then failed test_pd_metrics).
+        Wait, poking P, until each expired request's late notification is counted, or until
+        `timeout_s` (a request D never read sends none)."""
+        expired = "vllm:nixl_num_kv_expired_reqs_total"
+        late = "vllm:nixl_num_notifications_after_expiry_total"
+        poke = {"model": SERVED_MODEL, "prompt": "gek", "max_tokens": 1}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            url = self.prefill.url
+            if prometheus_value(url, late) >= prometheus_value(url, expired):
+                return
+            post_json(url + "/v1/completions", poke, {})
+            time.sleep(0.5)
 
     def _warm_up_handoff(self, kv: dict[str, Any], attempt: int) -> dict[str, Any]:
         prompt = " ".join(["gek", "kar"] * 20 + ["bir"] * attempt)
