@@ -26,11 +26,15 @@ __all__ = ["SHAPES", "shaped_trace"]
 TROUGH = 0.15
 
 
-def _diurnal(x: float) -> float:
-    return TROUGH + (1 - TROUGH) * (1 - math.cos(2 * math.pi * x)) / 2
+BURST_EVERY_S, BURST_S, BURST_BASE = 300.0, 60.0, 0.35
 
 
-def _ramp(x: float) -> float:
+def _diurnal(t: float, duration_s: float) -> float:
+    return TROUGH + (1 - TROUGH) * (1 - math.cos(2 * math.pi * t / duration_s)) / 2
+
+
+def _ramp(t: float, duration_s: float) -> float:
+    x = t / duration_s
     if x < 0:  # before the run: the night's trough
         return TROUGH
     if x < 0.4:
@@ -40,24 +44,30 @@ def _ramp(x: float) -> float:
     return TROUGH + (1 - TROUGH) * (1 - x) / 0.4
 
 
-def _shift(x: float) -> float:
+def _bursts(t: float, duration_s: float) -> float:
+    return 1.0 if (t % BURST_EVERY_S) >= BURST_EVERY_S - BURST_S else BURST_BASE
+
+
+def _constant(t: float, duration_s: float) -> float:
     return 0.6
 
 
-#: shape -> (rate as a fraction of the peak at fraction x of the run, code share at x)
-SHAPES: Mapping[str, tuple[Callable[[float], float], Callable[[float], float]]] = {
-    "diurnal": (_diurnal, lambda x: 0.0),
-    "ramp": (_ramp, lambda x: 0.0),
-    "bursts": (lambda x: 0.0, lambda x: 0.0),  # time-based: see `_rate`
-    "shift": (_shift, lambda x: 0.0 if x < 0.5 else 0.5),
+def _no_code(t: float, duration_s: float) -> float:
+    return 0.0
+
+
+def _half_code_later(t: float, duration_s: float) -> float:
+    return 0.0 if t < duration_s / 2 else 0.5
+
+
+Profile = Callable[[float, float], float]
+#: shape -> (rate as a fraction of the peak at time t of a run of duration_s, code share at t)
+SHAPES: Mapping[str, tuple[Profile, Profile]] = {
+    "diurnal": (_diurnal, _no_code),
+    "ramp": (_ramp, _no_code),
+    "bursts": (_bursts, _no_code),
+    "shift": (_constant, _half_code_later),
 }
-BURST_EVERY_S, BURST_S, BURST_BASE = 300.0, 60.0, 0.35
-
-
-def _rate(shape: str, t: float, duration_s: float) -> float:
-    if shape == "bursts":
-        return 1.0 if (t % BURST_EVERY_S) >= BURST_EVERY_S - BURST_S else BURST_BASE
-    return SHAPES[shape][0](t / duration_s)
 
 
 def shaped_trace(
@@ -78,15 +88,15 @@ def shaped_trace(
     if not (peak_rps > 0 and duration_s > 0):
         raise ValueError(f"peak_rps and duration_s must be positive: {peak_rps!r}, {duration_s!r}")
     rng = random.Random(f"autoscale:{shape}:{seed}")
-    code_share = SHAPES[shape][1]
+    rate_at, code_share = SHAPES[shape]
     out: list[TraceRequest] = []
     t = -history_s
     while True:
         t += rng.expovariate(peak_rps)  # thinning: candidates at the peak rate, kept by ratio
         if t >= duration_s:
             return out
-        if rng.random() > _rate(shape, t, duration_s):
+        if rng.random() > rate_at(t, duration_s):
             continue
-        service = "code" if rng.random() < code_share(max(0.0, t) / duration_s) else "chat"
+        service = "code" if rng.random() < code_share(max(0.0, t), duration_s) else "chat"
         lengths = rng.choice(services[service])
         out.append(TraceRequest(t, lengths.prompt_tokens, lengths.output_tokens, slo_class=service))

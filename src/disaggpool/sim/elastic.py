@@ -129,21 +129,24 @@ class ElasticController:
         if demand.window_s < self.window.window_s:  # a young window: not enough to act on
             return
         serving = sim.serving
+        kv = [d.observe(now)[0] for d in serving]  # KV tokens in use, one observation each
         state = PoolState(
             ready=len(serving),
             starting=len(self._ready_at),
             waiting=sum(d.num_waiting for d in serving),
-            kv_usage=sum(d.observe(now)[0] / d.profile.kv_capacity_tokens for d in serving),
-            step_s=tuple(self._step(d.name, d.num_running, d.observe(now)[0]) for d in serving),
+            kv_usage=sum(
+                k / d.profile.kv_capacity_tokens for d, k in zip(serving, kv, strict=True)
+            ),
+            step_s=tuple(
+                self.believed[d.name].decode.step(d.num_running, k)
+                for d, k in zip(serving, kv, strict=True)
+            ),
         )
         decision = self.autoscaler.decide(demand, state)
         if decision.replicas != state.current:
             self.scale_events += 1
             self.reasons.append((now, decision.replicas, decision.reason))
             self._scale_to(decision.replicas, now)
-
-    def _step(self, name: str, running: int, context: int) -> float:
-        return self.believed[name].decode.step(running, context)
 
     def _scale_to(self, target: int, now: float) -> None:
         sim = self.sim

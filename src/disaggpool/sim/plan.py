@@ -82,13 +82,16 @@ def plan_scenario(
         raise ValueError(f"max_gpus must be at least 2, got {limit}")
     rows: list[dict[str, Any]] = []
     plans: dict[str, Any] = {}
+    bases = {(s.policy, s.seed): s for s in scenario.specs()}
     for policy in scenario.policies:
         best: dict[str, Any] | None = None  # the highest goodput seen, for a plan not reached
         plan: dict[str, Any] | None = None
         for gpus in range(2, limit + 1):
             splits = candidate_splits(scenario, gpus)
             specs = [
-                _spec(scenario, policy, p, d, seed) for p, d in splits for seed in scenario.seeds
+                _spec(scenario, bases[policy, seed], p, d)
+                for p, d in splits
+                for seed in scenario.seeds
             ]
             tick = staged(progress, f"{policy}, {gpus} GPUs", len(specs))
             got = run_all(specs, workers=workers, progress=tick)
@@ -122,8 +125,8 @@ def plan_scenario(
     }
 
 
-def _spec(scenario: Scenario, policy: str, prefill: int, decode: int, seed: int) -> RunSpec:
-    base = next(s for s in scenario.specs() if s.policy == policy and s.seed == seed)
+def _spec(scenario: Scenario, base: RunSpec, prefill: int, decode: int) -> RunSpec:
+    """The scenario's run `base` (a policy and seed) on a pool of `prefill` + `decode`."""
     return dataclasses.replace(
         base,
         experiment="plan",
