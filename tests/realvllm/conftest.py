@@ -282,7 +282,7 @@ class PDPair:
         return (self.prefill, self.decode)
 
     warmup: dict[str, Any] = field(default_factory=dict)
-    decode_legs_s: list[float] = field(default_factory=list)  # every handoff's D leg (or bound)
+    kv_held_s: list[float] = field(default_factory=list)  # per test handoff, see `record_handoff`
 
     @property
     def kv_roles(self) -> dict[str, str | None]:
@@ -340,6 +340,29 @@ class PDPair:
             "error": attempts[-1]["error"],
         }
         return self.warmup
+
+    def record_handoff(self, handoff_s: float, timeout_s: float = 45.0) -> float:
+        """After a test handoff that took `handoff_s` (P's leg and D's), wait until P has freed
+        its KV blocks, poking both engines, and record how long P held them at most.
+
+        P's lease starts when its engine finishes the prefill, before its answer, so the whole
+        handoff bounds the time before D's pull. The release can lag after D answers: D's
+        "done reading" notification and P's handling of it move only when each engine's loop
+        steps (CI saw an expiry after a series of handoffs none slower than 19 s). Poking here
+        makes every handoff end with P's blocks free, and the recorded time is what
+        test_pd_metrics compares with P's 30 s lease.
+        """
+        t0 = time.monotonic()
+        poke = {"model": SERVED_MODEL, "prompt": "gek", "max_tokens": 1}
+        while time.monotonic() - t0 < timeout_s:
+            if prometheus_value(self.prefill.url, "vllm:kv_cache_usage_perc") == 0:
+                break
+            for engine in self.engines:
+                post_json(engine.url + "/v1/completions", poke, {})
+            time.sleep(0.2)
+        held = handoff_s + time.monotonic() - t0
+        self.kv_held_s.append(held)
+        return held
 
     def _settle_expiries(self, timeout_s: float = 30.0) -> None:
         """A warm-up leg that outlived P's lease leaves P an expired request; D's late read of it

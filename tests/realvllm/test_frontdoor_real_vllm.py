@@ -61,13 +61,13 @@ def test_completion_through_the_front_door(
     body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
     t0 = time.monotonic()
     out = _post(sidecar.url + "/v1/completions", body)
-    # The whole request bounds its D leg: test_pd_metrics tolerates a KV-lease expiry on the
-    # prefill pod only after a leg that slow, and this handoff is one of the pair's too.
-    pd_pair.decode_legs_s.append(time.monotonic() - t0)
+    handoff_s = time.monotonic() - t0
     assert out["usage"]["prompt_tokens"] == count["count"]
     assert out["usage"]["completion_tokens"] == 6
     assert out["choices"][0]["finish_reason"] == "length"
     assert sidecar.call(lambda: len(sidecar.running.service.state.ledger.entries)) == 0
+    # This handoff is one of the pair's: test_pd_metrics checks P's lease counters after it.
+    pd_pair.record_handoff(handoff_s)
 
 
 def test_streaming_chat_through_the_front_door(
@@ -93,7 +93,7 @@ def test_streaming_chat_through_the_front_door(
         for line in resp:
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 events.append(json.loads(line[6:]))
-    pd_pair.decode_legs_s.append(time.monotonic() - t0)  # as above
+    pd_pair.record_handoff(time.monotonic() - t0)  # as above
     assert events[-1]["usage"]["completion_tokens"] == 5
     assert events[0]["choices"][0]["delta"].get("role") == "assistant"
 
