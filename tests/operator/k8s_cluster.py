@@ -174,7 +174,7 @@ def running_cluster(workdir: Path, crds: list[Path]) -> Iterator[Cluster]:
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}",
-            "--service-cluster-ip-range=10.96.0.0/24",
+            "--service-cluster-ip-range=198.19.0.0/24",
             "--disable-admission-plugins=ServiceAccount",
         )
         server = f"https://127.0.0.1:{secure}"

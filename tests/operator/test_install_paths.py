@@ -61,7 +61,7 @@ def test_the_crd_schema_catches_what_it_claims_to() -> None:
     validator = jsonschema.Draft4Validator(_crd_schema())
     doc = _docs(MANIFESTS / "samples" / "small.yaml")[0]
     bad: dict[str, Any] = yaml.safe_load(yaml.safe_dump(doc))
-    bad["spec"]["prefill"]["gpus"] = 0
+    bad["spec"]["prefill"]["gpus"] = -1  # 0 is a CPU engine
     bad["spec"]["router"]["sloClasses"][0]["ttftSeconds"] = 0
     del bad["spec"]["model"]["name"]
     errors = {".".join(map(str, e.absolute_path)) for e in validator.iter_errors(bad)}

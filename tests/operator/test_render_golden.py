@@ -26,6 +26,7 @@ from disaggpool.operator.observed import (
     PodView,
     ProfileView,
     observed_errors,
+    pod_view,
     profile_view,
 )
 from disaggpool.operator.render import render_pool, render_router_config
@@ -74,6 +75,29 @@ def test_render_pool_matches_golden(sample: str) -> None:
     _check_golden(f"pool-{sample}", docs)
 
 
+def test_a_cpu_engine_asks_for_no_gpu_and_runs_one_worker() -> None:
+    pool, _ = _spec("small.yaml")
+    doc = yaml.safe_load((MANIFESTS / "samples" / "small.yaml").read_text())
+    doc["spec"]["prefill"]["gpus"] = 0
+    doc["spec"]["decode"]["gpus"] = 0
+    doc["spec"]["engine"]["resources"] = {"requests": {"cpu": "4"}}
+    spec, issues = parse_spec(doc["spec"], "img")
+    assert spec is not None and not issues, issues
+    engines = [
+        d
+        for d in render_pool(pool, spec)
+        if d["kind"] == "Deployment" and "disaggpool.io/role" in d["metadata"]["labels"]
+    ]
+    assert len(engines) == 2
+    for d in engines:
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        assert c["resources"] == {"requests": {"cpu": "4"}}
+        assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "1"
+    doc["spec"]["decode"]["gpus"] = -1
+    spec, issues = parse_spec(doc["spec"], "img")
+    assert spec is None and any("gpus" in str(i) for i in issues), issues
+
+
 def test_calibration_job_and_status_match_golden() -> None:
     pool, spec = _spec("small.yaml")
     pods = [
@@ -98,6 +122,10 @@ def test_calibration_job_and_status_match_golden() -> None:
     job = plan.create_jobs[0]
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--peer") + 1] == "http://198.18.0.1:8000"
+    # A running probe pod must not look like an engine pod of its pool (pool + role selects
+    # those): on a real node the operator once probed its own probe pods, without end.
+    assert pod_view(job["spec"]["template"]) is None
+    assert "disaggpool.io/role" not in job["spec"]["template"]["metadata"]["labels"]
     status = compute_status(pool, spec, [], 3, pods, plan, 1, {}, NOW)
     assert status["phase"] == "Calibrating" and status["calibratedPods"] == 1
     again = compute_status(pool, spec, [], 3, pods, plan, 1, status, NOW + dt.timedelta(hours=1))

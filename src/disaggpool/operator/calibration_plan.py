@@ -21,7 +21,6 @@ from disaggpool.labels import (
     POOL_LABEL,
     PROFILE_LABEL,
     PROFILE_LABEL_VALUE,
-    ROLE_LABEL,
     format_selector,
 )
 from disaggpool.operator.names import (
@@ -62,10 +61,11 @@ def render_calibration_job(
     """The probe as a Job owned by the pool: `disaggpool calibrate` in the operator's image."""
     c = spec.calibration
     cm = profile_configmap_name(pool, pod.name)
+    # No role label: `pool + role` selects a pool's engine pods (the operator, the router, the
+    # scale subresource), and a running probe pod is none of them. Seen on a real node: probe
+    # pods counted as engines got probes of their own, without end.
     labels = pool_labels(
-        pool,
-        COMPONENT_CALIBRATION,
-        **{POD_LABEL: pod.name, ROLE_LABEL: pod.role, ATTEMPT_LABEL: str(attempt)},
+        pool, COMPONENT_CALIBRATION, **{POD_LABEL: pod.name, ATTEMPT_LABEL: str(attempt)}
     )
     args = [
         "calibrate",

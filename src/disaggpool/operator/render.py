@@ -112,7 +112,7 @@ def _vllm_deployment(
         "--port",
         str(e.port),
         "--tensor-parallel-size",
-        str(variant.gpus),
+        str(max(1, variant.gpus)),  # a CPU engine (gpus 0) runs one worker
         "--kv-transfer-config",
         _kv_transfer_config(spec, role.role),
     ]
@@ -148,8 +148,9 @@ def _vllm_deployment(
         )
     env += [dict(x) for x in e.env]
     resources: dict[str, Any] = json.loads(json.dumps(dict(e.resources)))
-    for kind in ("limits", "requests"):
-        resources.setdefault(kind, {})[variant.gpu_resource] = variant.gpus
+    if variant.gpus:  # a CPU engine asks for no GPU; engine.resources says what it needs
+        for kind in ("limits", "requests"):
+            resources.setdefault(kind, {})[variant.gpu_resource] = variant.gpus
     volumes: list[dict[str, Any]] = [
         # NCCL/NIXL and PyTorch use /dev/shm well beyond the container runtime's 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": e.shared_memory}}

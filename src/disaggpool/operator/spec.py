@@ -222,7 +222,7 @@ def _role(doc: Section, role: str) -> RoleSpec:
     base = VariantSpec(
         name="",
         replicas=sec.integer("replicas", 1, minimum=0),
-        gpus=sec.integer("gpus", 1, minimum=1),
+        gpus=sec.integer("gpus", 1, minimum=0),  # 0: a CPU engine
         gpu_resource=sec.string("gpuResource", "nvidia.com/gpu"),
         gpu_type=sec.string("gpuType"),
         node_selector=sec.string_map("nodeSelector"),
@@ -245,7 +245,7 @@ def _role(doc: Section, role: str) -> RoleSpec:
         variant = VariantSpec(
             name=name,
             replicas=v.integer("replicas", 1, minimum=0),
-            gpus=v.integer("gpus", base.gpus, minimum=1),
+            gpus=v.integer("gpus", base.gpus, minimum=0),
             gpu_resource=v.string("gpuResource", base.gpu_resource),
             gpu_type=v.string("gpuType", base.gpu_type),
             node_selector=v.string_map("nodeSelector") or base.node_selector,
@@ -348,7 +348,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         port=8000,
     )
     if not engine.image:
-        e.problem("image", "required (a vLLM image with NIXL, e.g. vllm/vllm-openai:v0.11.0)")
+        e.problem("image", "required (a vLLM image with NIXL, e.g. vllm/vllm-openai:v0.32.0)")
     if engine.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
         e.problem("imagePullPolicy", "must be Always, IfNotPresent or Never")
     if not _QUANTITY.match(engine.shared_memory):
