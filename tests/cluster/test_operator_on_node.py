@@ -6,6 +6,9 @@ calibration Jobs, router), with a request served through the router pod."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,21 +121,84 @@ def test_the_sample_pool_renders_and_waits_for_gpus(
     _delete_pool(node, "small")
 
 
-def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
-    node: NodeCluster, operator: dict[str, Any]
-) -> None:
+@pytest.fixture(scope="module")
+def cpu_pool(node: NodeCluster, operator: dict[str, Any]) -> dict[str, Any]:
     node.kubectl("apply", "-f", "-", stdin=json.dumps(CPU_POOL))
 
     def calibrated() -> dict[str, Any]:
         status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
         return status if status.get("calibratedPods") == 3 else {}
 
-    status = node.wait_for("3 calibrated engine pods", calibrated, timeout=600, every=2)
-    conds = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conds.get("Ready") == "True", status
+    return dict(node.wait_for("3 calibrated engine pods", calibrated, timeout=600, every=2))
 
+
+def _engines(node: NodeCluster) -> list[dict[str, Any]]:
     pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
-    engines = [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
+    return [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conds = pod["status"].get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def _router_ip(node: NodeCluster) -> str:
+    def ready_routers() -> list[dict[str, Any]]:
+        pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/component=router")["items"]
+        return [
+            p
+            for p in pods
+            if p["metadata"]["labels"].get("disaggpool.io/pool") == "cpu"
+            and _ready(p)
+            and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    return str(
+        node.wait_for("a Ready router pod", ready_routers, timeout=180)[0]["status"]["podIP"]
+    )
+
+
+def _complete(ip: str, tokens: int = 8) -> dict[str, Any]:
+    body = {"model": "qwen", "prompt": "hello " * 50, "max_tokens": tokens, "ignore_eos": True}
+    req = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def _bursty_trace(path: Path, n: int, burst: int = 10, every_s: float = 2.0) -> Path:
+    """`n` requests of the router's default SLO class (`interactive`), in bursts of `burst`
+    (within 0.5 s) every `every_s` seconds."""
+    rows = ["arrival_s,prompt_tokens,output_tokens,slo_class"]
+    for i in range(n):
+        t = (i // burst) * every_s + (i % burst) * 0.05
+        rows.append(f"{t:.3f},{200 + (i * 137) % 1300},{16 + (i * 29) % 48},interactive")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _loadgen(ip: str, trace: Path, out: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "disaggpool", "loadgen", "--target", f"http://{ip}:8000"]
+    cmd += ["--trace", str(trace), "--slo", "interactive:5:0.5", "--json", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _summary(proc: subprocess.Popen[str], out: Path) -> dict[str, Any]:
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    return dict(json.loads(out.read_text())["summary"])
+
+
+def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
+    node: NodeCluster, cpu_pool: dict[str, Any]
+) -> None:
+    conds = {c["type"]: c["status"] for c in cpu_pool["conditions"]}
+    assert conds.get("Ready") == "True", cpu_pool
+    engines = _engines(node)
     assert sorted(p["metadata"]["labels"]["disaggpool.io/role"] for p in engines) == [
         "decode", "decode", "prefill",
     ]  # fmt: skip
@@ -146,32 +212,125 @@ def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
     assert probed == {p["metadata"]["name"] for p in engines}
     assert all(j["status"].get("succeeded") == 1 for j in jobs)
 
-    def ready_routers() -> list[dict[str, Any]]:
-        pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
-        return [
-            p
-            for p in pods
-            if "disaggpool.io/role" not in p["metadata"]["labels"]
-            and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p["status"].get("conditions", [])
-            )
-        ]
-
-    router = node.wait_for("a Ready router pod", ready_routers, timeout=120)[0]
-    assert router["status"]["podIP"].startswith(POD_SUBNET.rsplit(".", 2)[0])
-    body = {"model": "qwen", "prompt": "hello " * 50, "max_tokens": 8, "ignore_eos": True}
-    req = urllib.request.Request(
-        f"http://{router['status']['podIP']}:8000/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        out = json.loads(resp.read())
+    ip = _router_ip(node)
+    assert ip.startswith(POD_SUBNET.rsplit(".", 2)[0])
+    out = _complete(ip)
     assert out["usage"]["completion_tokens"] == 8
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_loadgen_replays_a_bursty_trace_through_the_router_pod(
+    node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
+) -> None:
+    trace = _bursty_trace(tmp_path / "bursts.csv", 40)
+    summary = _summary(
+        _loadgen(_router_ip(node), trace, tmp_path / "run.json"), tmp_path / "run.json"
+    )
+    print(f"\n[cluster] loadgen through the router pod: {summary}")
+    assert summary["requests"] == 40
+    assert summary["errors"] == 0, summary["errors_by_status"]
+    assert summary["completed"] == 40
+    assert 0.0 <= summary["goodput"] <= 1.0
+
+
+def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
+    node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
+) -> None:
+    before = {p["metadata"]["name"] for p in _engines(node)}
+    victim = sorted(
+        p["metadata"]["name"]
+        for p in _engines(node)
+        if p["metadata"]["labels"]["disaggpool.io/role"] == "decode"
+    )[0]
+    trace = _bursty_trace(tmp_path / "bursts.csv", 60, every_s=1.5)
+    run = _loadgen(_router_ip(node), trace, tmp_path / "run.json")
+    time.sleep(3)
+    node.kubectl("delete", "pod", "-n", "default", victim, "--grace-period=0", "--force")
+    summary = _summary(run, tmp_path / "run.json")
+    print(f"\n[cluster] loadgen with {victim} deleted mid-run: {summary}")
+    # Every request is accounted for: it completed (elsewhere, if need be) or got an HTTP error;
+    # none was dropped without an answer.
+    assert summary["requests"] == 60
+    assert summary["completed"] + summary["errors"] == 60
+    assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
+
+    def replacement() -> str:
+        now = {p["metadata"]["name"]: p for p in _engines(node)}
+        new = [n for n, p in now.items() if n not in before and _ready(p)]
+        return new[0] if len(now) == 3 and new else ""
+
+    new_pod = node.wait_for("the replacement decode pod", replacement, timeout=180)
+
+    def probed() -> bool:
+        status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
+        states = {p["name"]: p["calibration"] for p in status.get("pods", [])}
+        return states.get(new_pod) == "calibrated"
+
+    node.wait_for(f"{new_pod} to be calibrated", probed, timeout=300, every=2)
+    jobs = node.get("jobs", "-n", "default", "-l", f"disaggpool.io/pod={new_pod}")["items"]
+    assert jobs and all(j["status"].get("succeeded") == 1 for j in jobs)
+    ip = _router_ip(node)
+    new_ip = node.get("pod", "-n", "default", new_pod)["status"]["podIP"]
+
+    def served_by_new_pod() -> bool:
+        _complete(ip, tokens=4)
+        with urllib.request.urlopen(f"http://{new_ip}:8000/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return any(
+            line.startswith("vllm:request_success_total") and float(line.split()[-1]) > 0
+            for line in text.splitlines()
+        )
+
+    node.wait_for(f"the router to route to {new_pod}", served_by_new_pod, timeout=120)
+
+
+def test_a_killed_router_pod_is_replaced_and_traffic_resumes(
+    node: NodeCluster, cpu_pool: dict[str, Any]
+) -> None:
+    old_ip = _router_ip(node)
+    (old,) = [
+        p["metadata"]["name"]
+        for p in node.get("pods", "-n", "default", "-l", "disaggpool.io/component=router")["items"]
+        if p["status"].get("podIP") == old_ip
+    ]
+    node.kubectl("delete", "pod", "-n", "default", old, "--grace-period=0", "--force")
+    new_ip = node.wait_for(
+        "a new Ready router pod",
+        lambda: (ip := _router_ip(node)) != old_ip and ip,
+        timeout=180,
+    )
+    assert _complete(new_ip)["usage"]["completion_tokens"] == 8
+
+
+def test_a_bad_update_degrades_the_pool_and_leaves_its_pods_alone(
+    node: NodeCluster, cpu_pool: dict[str, Any]
+) -> None:
+    pods = {p["metadata"]["uid"] for p in node.get("pods", "-n", "default")["items"]}
+    bad = {"spec": {"decode": {"minReplicas": 5, "maxReplicas": 2}}}
+    node.kubectl("patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p", json.dumps(bad))
+
+    def degraded() -> dict[str, Any]:
+        status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
+        conds = {c["type"]: c for c in status.get("conditions", [])}
+        return status if conds.get("Degraded", {}).get("status") == "True" else {}
+
+    status = node.wait_for("the pool to be Degraded", degraded, timeout=60)
+    assert status["phase"] == "Degraded"
+    time.sleep(10)  # two resyncs: nothing the operator does may touch the running pods
+    now = {p["metadata"]["uid"] for p in node.get("pods", "-n", "default")["items"]}
+    assert now == pods
+    fix = {"spec": {"decode": {"minReplicas": None, "maxReplicas": None}}}
+    node.kubectl("patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p", json.dumps(fix))
+    node.wait_for("the pool to recover", lambda: not degraded(), timeout=60)
+
+
+def test_deleting_the_pool_garbage_collects_its_objects(
+    node: NodeCluster, cpu_pool: dict[str, Any]
+) -> None:
     _delete_pool(node, "cpu")
+    for kind in ("jobs", "configmaps", "services"):
+        left = node.get(kind, "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
+        assert not left, (kind, [o["metadata"]["name"] for o in left])
 
 
 def test_helm_uninstall_removes_the_operator(node: NodeCluster, operator: dict[str, Any]) -> None:
