@@ -51,13 +51,17 @@ def _time_pool(
         if time.monotonic() - t0 > 1200:
             raise RuntimeError(f"{name}: not calibrated after 20 min")
         pods = node.get("pods", "-n", "default", "-l", f"disaggpool.io/pool={name}")["items"]
-        serving = [
-            p
-            for p in pods
-            if p["metadata"]["labels"].get("disaggpool.io/component") != "calibration"
+        engines = [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
+        routers = [
+            p for p in pods if p["metadata"]["labels"].get("disaggpool.io/component") == "router"
         ]
-        engines = [p for p in serving if p["metadata"]["labels"].get("disaggpool.io/role")]
-        if "ready_s" not in out and len(engines) == prefill + decode and all(map(_ready, serving)):
+        serving = engines + routers
+        if (
+            "ready_s" not in out
+            and len(engines) == prefill + decode
+            and routers
+            and all(map(_ready, serving))
+        ):
             out["ready_s"] = time.monotonic() - t0
         status = node.get("dpool", "-n", "default", name).get("status") or {}
         if status.get("calibratedPods") == prefill + decode:
