@@ -93,6 +93,8 @@ def test_a_cpu_engine_asks_for_no_gpu_and_runs_one_worker() -> None:
         (c,) = d["spec"]["template"]["spec"]["containers"]
         assert c["resources"] == {"requests": {"cpu": "4"}}
         assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "1"
+        kv = json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
+        assert kv["kv_buffer_device"] == "cpu"  # as vLLM's CPU P/D needs (docs/vllm-protocol.md)
     doc["spec"]["decode"]["gpus"] = -1
     spec, issues = parse_spec(doc["spec"], "img")
     assert spec is None and any("gpus" in str(i) for i in issues), issues

@@ -74,8 +74,8 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
-def _kv_transfer_config(spec: PoolSpec, role: str) -> str:
-    cfg = {
+def _kv_transfer_config(spec: PoolSpec, role: str, cpu: bool) -> str:
+    cfg: dict[str, Any] = {
         "kv_connector": spec.kv_transfer.connector,
         # P produces KV, D consumes it (docs/vllm-protocol.md §1.1; kv_both is deprecated with
         # Nixl).
@@ -83,6 +83,8 @@ def _kv_transfer_config(spec: PoolSpec, role: str) -> str:
         "kv_load_failure_policy": spec.kv_transfer.load_failure_policy,
         "kv_connector_extra_config": {"backends": list(spec.kv_transfer.backends)},
     }
+    if cpu:  # a CPU engine has no device buffer: stage the KV in host memory (vLLM's CPU P/D)
+        cfg["kv_buffer_device"] = "cpu"
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
 
@@ -114,7 +116,7 @@ def _vllm_deployment(
         "--tensor-parallel-size",
         str(max(1, variant.gpus)),  # a CPU engine (gpus 0) runs one worker
         "--kv-transfer-config",
-        _kv_transfer_config(spec, role.role),
+        _kv_transfer_config(spec, role.role, cpu=variant.gpus == 0),
     ]
     if m.max_model_len:
         args += ["--max-model-len", str(m.max_model_len)]
