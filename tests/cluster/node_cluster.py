@@ -31,8 +31,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+# The control plane as tests/operator runs it: kubectl and helm, the API server's auth settings.
+from k8s_cluster import Cluster, apiserver_auth_args
+from operator_testkit import TOKEN, write_kubeconfig
 
 BIN = Path(os.environ.get("DISAGGPOOL_K8S_BIN", "/var/cache/disaggpool/k8s/current/bin"))
 BRIDGE = "dpool0"
@@ -42,7 +47,7 @@ SERVICE_SUBNET = "198.19.0.0/24"
 CONFINED = "198.18.0.0/15"  # all the cluster may reach besides loopback
 NODE_NAME = "dpool-node"
 API_PORT = 6443
-TOKEN = "disaggpool-node-token"
+SERVER = f"https://{NODE_IP}:{API_PORT}"
 SANDBOX_IMAGE = "disaggpool.local/pause:3.4"
 NEEDED = [
     *("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet"),
@@ -109,46 +114,21 @@ def ip_routes(netns_pid: int | None = None) -> list[dict[str, str]]:
 # ------------------------------------------------------------------ the node
 
 
-@dataclass
-class NodeCluster:
-    workdir: Path
+class NodeCluster(Cluster):
+    """The running node: kubectl and helm as in tests/operator (`Cluster`), plus containerd's
+    `ctr` and the polling the node's tests need."""
 
-    @property
-    def kubeconfig(self) -> Path:
-        return self.workdir / "kubeconfig"
+    @classmethod
+    def at(cls, workdir: Path) -> NodeCluster:
+        return cls(workdir, SERVER, workdir / "kubeconfig", BIN)
 
     @property
     def containerd_socket(self) -> Path:
         return self.workdir / "containerd" / "containerd.sock"
 
-    def kubectl(self, *args: str, check: bool = True, stdin: str | None = None) -> str:
-        return self._run(BIN / "kubectl", *args, check=check, stdin=stdin)
-
-    def helm(self, *args: str, check: bool = True) -> str:
-        return self._run(BIN / "helm", *args, check=check)
-
     def ctr(self, *args: str, check: bool = True) -> str:
         sock = str(self.containerd_socket)
-        return self._run(BIN / "ctr", "-a", sock, "-n", "k8s.io", *args, check=check)
-
-    def _run(self, exe: Path, *args: str, check: bool = True, stdin: str | None = None) -> str:
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "HOME": str(self.workdir),  # helm/kubectl caches stay out of the real home
-            "HELM_CACHE_HOME": str(self.workdir / "helm-cache"),
-            "HELM_CONFIG_HOME": str(self.workdir / "helm-config"),
-            "HELM_DATA_HOME": str(self.workdir / "helm-data"),
-        }
-        proc = subprocess.run(
-            [str(exe), *args], env=env, input=stdin, capture_output=True, text=True, timeout=300
-        )
-        if check and proc.returncode != 0:
-            raise RuntimeError(
-                f"{exe.name} {' '.join(args)} failed ({proc.returncode}):\n"
-                f"{proc.stdout}\n{proc.stderr}"
-            )
-        return proc.stdout if check else proc.stdout + proc.stderr
+        return self.run(BIN / "ctr", "-a", sock, "-n", "k8s.io", *args, check=check)
 
     def get(self, *args: str) -> dict:
         return dict(json.loads(self.kubectl("get", *args, "-o", "json")))
@@ -209,27 +189,7 @@ def _bridge_up() -> None:
 def _configs(d: Path, ports: dict[str, int]) -> None:
     """containerd, CNI and kubelet configuration, every address set explicitly."""
     _write(d / "tokens.csv", f"{TOKEN},admin,admin-uid,system:masters\n")
-    _write(
-        d / "kubeconfig",
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "node",
-                        "cluster": {
-                            "server": f"https://{NODE_IP}:{API_PORT}",
-                            "insecure-skip-tls-verify": True,
-                        },
-                    }
-                ],
-                "users": [{"name": "admin", "user": {"token": TOKEN}}],
-                "contexts": [{"name": "node", "context": {"cluster": "node", "user": "admin"}}],
-                "current-context": "node",
-            }
-        ),
-    )
+    write_kubeconfig(d, SERVER, TOKEN)
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     _write(
         d / "containerd" / "config.toml",
@@ -337,7 +297,7 @@ def up(workdir: Path) -> NodeCluster:
     d.mkdir(parents=True, exist_ok=True)
     (d / "netns-before").write_text("\n".join(sorted(_netns())))
     _bridge_up()
-    node = NodeCluster(d)
+    node = NodeCluster.at(d)
     try:
         ports = {k: _free_port() for k in ("etcd", "peer", "kubelet", "kubelet_healthz")}
         ports |= {k: _free_port() for k in ("proxy_healthz", "proxy_metrics")}
@@ -364,13 +324,7 @@ def up(workdir: Path) -> NodeCluster:
             f"--bind-address={NODE_IP}",
             f"--advertise-address={NODE_IP}",
             f"--secure-port={API_PORT}",
-            f"--cert-dir={d / 'certs'}",
-            "--insecure-port=0",
-            f"--token-auth-file={d / 'tokens.csv'}",
-            "--authorization-mode=RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={d / 'sa.pub'}",
-            f"--service-account-signing-key-file={d / 'sa.key'}",
+            *apiserver_auth_args(d),
             f"--service-cluster-ip-range={SERVICE_SUBNET}",
         )
         node.wait_for(
@@ -451,7 +405,7 @@ def import_images(node: NodeCluster) -> None:
 def down(workdir: Path) -> None:
     """Stop everything `up` started in `workdir` (idempotent; also after a failed `up`)."""
     d = workdir.resolve()
-    node = NodeCluster(d)
+    node = NodeCluster.at(d)
     pids = _recorded(d)
     if any(name == "kubelet" for _, name in pids) and node.kubeconfig.exists():
         # Nothing may recreate the pods (Deployments, Jobs, the operator) while the kubelet

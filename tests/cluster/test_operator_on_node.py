@@ -142,6 +142,19 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
+def _succeeded_jobs(node: NodeCluster, selector: str) -> list[dict[str, Any]]:
+    """The probe Jobs matching `selector`, once every pod they probe has a succeeded one (a
+    failed attempt, retried by the operator, may stay beside it)."""
+    jobs = node.get("jobs", "-n", "default", "-l", selector)["items"]
+    pods = {j["metadata"]["labels"]["disaggpool.io/pod"] for j in jobs}
+    done = {
+        j["metadata"]["labels"]["disaggpool.io/pod"]
+        for j in jobs
+        if j["status"].get("succeeded") == 1
+    }
+    return list(jobs) if jobs and done == pods else []
+
+
 def _router_ip(node: NodeCluster) -> str:
     def ready_routers() -> list[dict[str, Any]]:
         pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/component=router")["items"]
@@ -207,10 +220,12 @@ def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
         assert p["spec"]["containers"][0]["command"] == ["vllm"]
         limits = p["spec"]["containers"][0].get("resources", {}).get("limits", {})
         assert "nvidia.com/gpu" not in limits
-    jobs = node.get("jobs", "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
+    # A probe writes its profile before it exits: the Job may still be finishing.
+    jobs = node.wait_for(
+        "every probe Job to succeed", lambda: _succeeded_jobs(node, "disaggpool.io/pool=cpu")
+    )
     probed = {j["metadata"]["labels"]["disaggpool.io/pod"] for j in jobs}
     assert probed == {p["metadata"]["name"] for p in engines}
-    assert all(j["status"].get("succeeded") == 1 for j in jobs)
 
     ip = _router_ip(node)
     assert ip.startswith(POD_SUBNET.rsplit(".", 2)[0])
@@ -267,8 +282,10 @@ def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
         return states.get(new_pod) == "calibrated"
 
     node.wait_for(f"{new_pod} to be calibrated", probed, timeout=300, every=2)
-    jobs = node.get("jobs", "-n", "default", "-l", f"disaggpool.io/pod={new_pod}")["items"]
-    assert jobs and all(j["status"].get("succeeded") == 1 for j in jobs)
+    node.wait_for(
+        f"{new_pod}'s probe Job to succeed",
+        lambda: _succeeded_jobs(node, f"disaggpool.io/pod={new_pod}"),
+    )
     ip = _router_ip(node)
     new_ip = node.get("pod", "-n", "default", new_pod)["status"]["podIP"]
 

@@ -87,7 +87,7 @@ class Cluster:
             input=stdin,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,  # under `kubectl rollout status --timeout=240s` on the test node
         )
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -118,6 +118,20 @@ class Cluster:
     def kubeconfig_for(self, directory: Path, token: str) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         return write_kubeconfig(directory, self.server, token)
+
+
+def apiserver_auth_args(d: Path) -> list[str]:
+    """kube-apiserver's certificates, token and service-account settings in directory `d`
+    (tokens.csv, sa.key, sa.pub; certs/ is generated), shared with the test node."""
+    return [
+        f"--cert-dir={d / 'certs'}",
+        "--insecure-port=0",
+        f"--token-auth-file={d / 'tokens.csv'}",
+        "--authorization-mode=RBAC",
+        "--service-account-issuer=https://kubernetes.default.svc",
+        f"--service-account-key-file={d / 'sa.pub'}",
+        f"--service-account-signing-key-file={d / 'sa.key'}",
+    ]
 
 
 @contextlib.contextmanager
@@ -167,13 +181,7 @@ def running_cluster(workdir: Path, crds: list[Path]) -> Iterator[Cluster]:
             f"--etcd-servers=http://127.0.0.1:{client}",
             "--bind-address=127.0.0.1",
             f"--secure-port={secure}",
-            f"--cert-dir={d / 'certs'}",
-            "--insecure-port=0",
-            f"--token-auth-file={d / 'tokens.csv'}",
-            "--authorization-mode=RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={d / 'sa.pub'}",
-            f"--service-account-signing-key-file={d / 'sa.key'}",
+            *apiserver_auth_args(d),
             "--service-cluster-ip-range=198.19.0.0/24",
             "--disable-admission-plugins=ServiceAccount",
         )
