@@ -8,7 +8,7 @@
 #   sandbox ("pause") binary compiled from the same source tree, and a Debian bookworm root filesystem
 #   with Python 3.11 (debootstrap) that the locally built images start from.
 # Recipe and pitfalls: docs/kubernetes-testing.md (verified on a 2-core Debian 12 machine; the cold
-# build takes ~6.5 min, a cache hit takes well under a second).
+# build took 7.3 min with the node parts, a cache hit takes well under a second).
 #
 #   DISAGGPOOL_K8S_CACHE  cache root (default /var/cache/disaggpool/k8s), OUTSIDE the checkout
 #
