@@ -345,7 +345,7 @@ def test_operator_spec_reports_every_problem_once_in_document_order() -> None:
     spec = {
         "model": {"name": "m", "maxModelLen": 0},
         "engine": {"image": "i", "startupTimeoutSeconds": 10, "resources": "lots"},
-        "prefill": {"gpus": 0},
+        "prefill": {"gpus": -1},  # 0 is a CPU engine
         "decode": {
             "variants": [
                 {"name": "a", "replicas": "2", "extraArgs": "--x"},
@@ -362,7 +362,7 @@ def test_operator_spec_reports_every_problem_once_in_document_order() -> None:
         "spec.model.maxModelLen: must be >= 1, got 0",
         "spec.engine.resources: must be an object",
         "spec.engine.startupTimeoutSeconds: must be >= 60, got 10",
-        "spec.prefill.gpus: must be >= 1, got 0",
+        "spec.prefill.gpus: must be >= 0, got -1",
         "spec.decode.variants[0].replicas: must be an integer, got '2'",
         "spec.decode.variants[0].extraArgs: must be a list of strings",
         "spec.decode.variants[1].extraArgs: --port is set by the operator; "
