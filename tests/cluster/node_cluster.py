@@ -13,9 +13,9 @@ would need it, and nothing here takes it). `up` checks the routes before the fir
 refuses to start otherwise.
 
 Everything `up` starts, `down` stops: processes by the PIDs recorded in the work directory, the
-pods' containers (through the API, then containerd), their network namespaces, mounts, kube-proxy's
-iptables chains, the bridge and its route. One node at a time (the bridge name is fixed).
-Run by hand: `scripts/cluster.sh up|down [DIR]`.
+pods' containers (through the API, then containerd), their network namespaces, mounts, the
+kubelet's and kube-proxy's iptables chains, the bridge and its route. One node at a time (the
+bridge name is fixed). Run by hand: `scripts/cluster.sh up|down [DIR]`.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ class NodeCluster(Cluster):
             if got:
                 return got
             time.sleep(every)
-        tail = (self.workdir / "logs" / "kubelet.log").read_text(errors="replace")[-3000:]
+        log = self.workdir / "logs" / "kubelet.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no kubelet yet)"
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
 
     def container_pid(self, namespace: str, pod: str, container: str) -> int:
