@@ -29,11 +29,7 @@ from node_cluster import NodeCluster, running_node, unavailable  # noqa: E402
 from test_operator_on_node import CPU_POOL  # noqa: E402
 
 from benchutil import cpu_model  # noqa: E402
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = pod["status"].get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+from disaggpool.kubeclient.paths import pod_ready  # noqa: E402
 
 
 def _time_pool(
@@ -60,7 +56,7 @@ def _time_pool(
             "ready_s" not in out
             and len(engines) == prefill + decode
             and routers
-            and all(map(_ready, serving))
+            and all(map(pod_ready, serving))
         ):
             out["ready_s"] = time.monotonic() - t0
         status = node.get("dpool", "-n", "default", name).get("status") or {}

@@ -26,7 +26,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,8 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 # The control plane as tests/operator runs it: kubectl and helm, the API server's auth settings.
-from k8s_cluster import Cluster, apiserver_auth_args
+from k8s_cluster import Cluster, apiserver_auth_args, free_port
 from operator_testkit import TOKEN, write_kubeconfig
+
+from disaggpool.kubeclient.paths import pod_ready
 
 BIN = Path(os.environ.get("DISAGGPOOL_K8S_BIN", "/var/cache/disaggpool/k8s/current/bin"))
 BRIDGE = "dpool0"
@@ -157,12 +158,6 @@ class NodeCluster(Cluster):
                     if parts and parts[0] == cid:
                         return int(parts[1])
         raise AssertionError(f"no running container {container} in {namespace}/{pod}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -300,11 +295,10 @@ def up(workdir: Path) -> NodeCluster:
     _bridge_up()
     node = NodeCluster.at(d)
     try:
-        ports = {k: _free_port() for k in ("etcd", "peer", "kubelet", "kubelet_healthz")}
-        ports |= {k: _free_port() for k in ("proxy_healthz", "proxy_metrics")}
+        ports = {k: free_port() for k in ("etcd", "peer", "kubelet", "kubelet_healthz")}
+        ports |= {k: free_port() for k in ("proxy_healthz", "proxy_metrics")}
         _configs(d, ports)
-        for key in ("sa.key",):
-            _sh("openssl", "genrsa", "-out", str(d / key), "2048")
+        _sh("openssl", "genrsa", "-out", str(d / "sa.key"), "2048")
         _sh("openssl", "rsa", "-in", str(d / "sa.key"), "-pubout", "-out", str(d / "sa.pub"))
         procs = _Procs(d)
         etcd = f"http://127.0.0.1:{ports['etcd']}"
@@ -385,8 +379,7 @@ def up(workdir: Path) -> NodeCluster:
 def _node_ready(node: NodeCluster) -> bool:
     out = node.kubectl("get", "node", NODE_NAME, "-o", "json", check=False)
     with contextlib.suppress(ValueError):
-        conds = json.loads(out)["status"].get("conditions", [])
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+        return pod_ready(json.loads(out))  # a Node's Ready condition reads the same way
     return False
 
 

@@ -24,6 +24,8 @@ from node_cluster import (
     route_problems,
 )
 
+from disaggpool.kubeclient.paths import pod_ready
+
 EMULATOR_POD = {
     "apiVersion": "v1",
     "kind": "Pod",
@@ -101,8 +103,7 @@ def emulator(node: NodeCluster) -> dict[str, Any]:
 
 
 def _ready(node: NodeCluster, pod: str) -> bool:
-    conds = node.get("pod", "-n", "default", pod)["status"].get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+    return pod_ready(node.get("pod", "-n", "default", pod))
 
 
 def test_a_pod_runs_the_image_unprivileged_on_a_read_only_root(

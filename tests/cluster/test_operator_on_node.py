@@ -18,6 +18,8 @@ import pytest
 from images import PROJECT
 from node_cluster import POD_SUBNET, NodeCluster
 
+from disaggpool.kubeclient.paths import pod_ready
+
 REPO = Path(__file__).resolve().parents[2]
 NS = "disaggpool-system"
 
@@ -137,11 +139,6 @@ def _engines(node: NodeCluster) -> list[dict[str, Any]]:
     return [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = pod["status"].get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-
 def _succeeded_jobs(node: NodeCluster, selector: str) -> list[dict[str, Any]]:
     """The probe Jobs matching `selector`, once every pod they probe has a succeeded one (a
     failed attempt, retried by the operator, may stay beside it)."""
@@ -162,7 +159,7 @@ def _router_ip(node: NodeCluster) -> str:
             p
             for p in pods
             if p["metadata"]["labels"].get("disaggpool.io/pool") == "cpu"
-            and _ready(p)
+            and pod_ready(p)
             and not p["metadata"].get("deletionTimestamp")
         ]
 
@@ -271,7 +268,7 @@ def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
 
     def replacement() -> str:
         now = {p["metadata"]["name"]: p for p in _engines(node)}
-        new = [n for n, p in now.items() if n not in before and _ready(p)]
+        new = [n for n, p in now.items() if n not in before and pod_ready(p)]
         return new[0] if len(now) == 3 and new else ""
 
     new_pod = node.wait_for("the replacement decode pod", replacement, timeout=180)

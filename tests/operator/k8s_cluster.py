@@ -53,7 +53,7 @@ def require_k8s(binaries: Sequence[str] = BINARIES) -> None:
     pytest.skip(why)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -151,7 +151,7 @@ def running_cluster(workdir: Path, crds: list[Path]) -> Iterator[Cluster]:
         capture_output=True,
     )
     (d / "tokens.csv").write_text(f"{TOKEN},admin,admin-uid,system:masters\n")
-    client, peer, secure = _free_port(), _free_port(), _free_port()
+    client, peer, secure = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(name: str, *args: str) -> None:
