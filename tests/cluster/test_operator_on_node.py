@@ -168,6 +168,13 @@ def _router_ip(node: NodeCluster) -> str:
     )
 
 
+def _router_service_ip(node: NodeCluster) -> str:
+    """The router Service's cluster IP: what clients use (kube-proxy's rules on this node)."""
+    selector = "disaggpool.io/component=router,disaggpool.io/pool=cpu"
+    (service,) = node.get("services", "-n", "default", "-l", selector)["items"]
+    return str(service["spec"]["clusterIP"])
+
+
 def _complete(ip: str, tokens: int = 8) -> dict[str, Any]:
     body = {"model": "qwen", "prompt": "hello " * 50, "max_tokens": tokens, "ignore_eos": True}
     req = urllib.request.Request(
@@ -245,6 +252,34 @@ def test_loadgen_replays_a_bursty_trace_through_the_router_pod(
     assert 0.0 <= summary["goodput"] <= 1.0
 
 
+def _wait_calibrated_and_routed_to(node: NodeCluster, pod: str) -> None:
+    """`pod` gets a calibrated profile from a succeeded probe Job, and the router sends it work."""
+
+    def probed() -> bool:
+        status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
+        states = {p["name"]: p["calibration"] for p in status.get("pods", [])}
+        return states.get(pod) == "calibrated"
+
+    node.wait_for(f"{pod} to be calibrated", probed, timeout=300, every=2)
+    node.wait_for(
+        f"{pod}'s probe Job to succeed",
+        lambda: _succeeded_jobs(node, f"disaggpool.io/pod={pod}"),
+    )
+    ip = _router_ip(node)
+    pod_ip = node.get("pod", "-n", "default", pod)["status"]["podIP"]
+
+    def served_by_pod() -> bool:
+        _complete(ip, tokens=4)
+        with urllib.request.urlopen(f"http://{pod_ip}:8000/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return any(
+            line.startswith("vllm:request_success_total") and float(line.split()[-1]) > 0
+            for line in text.splitlines()
+        )
+
+    node.wait_for(f"the router to route to {pod}", served_by_pod, timeout=120)
+
+
 def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
     node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -272,30 +307,7 @@ def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
         return new[0] if len(now) == 3 and new else ""
 
     new_pod = node.wait_for("the replacement decode pod", replacement, timeout=180)
-
-    def probed() -> bool:
-        status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
-        states = {p["name"]: p["calibration"] for p in status.get("pods", [])}
-        return states.get(new_pod) == "calibrated"
-
-    node.wait_for(f"{new_pod} to be calibrated", probed, timeout=300, every=2)
-    node.wait_for(
-        f"{new_pod}'s probe Job to succeed",
-        lambda: _succeeded_jobs(node, f"disaggpool.io/pod={new_pod}"),
-    )
-    ip = _router_ip(node)
-    new_ip = node.get("pod", "-n", "default", new_pod)["status"]["podIP"]
-
-    def served_by_new_pod() -> bool:
-        _complete(ip, tokens=4)
-        with urllib.request.urlopen(f"http://{new_ip}:8000/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        return any(
-            line.startswith("vllm:request_success_total") and float(line.split()[-1]) > 0
-            for line in text.splitlines()
-        )
-
-    node.wait_for(f"the router to route to {new_pod}", served_by_new_pod, timeout=120)
+    _wait_calibrated_and_routed_to(node, new_pod)
 
 
 def test_a_killed_router_pod_is_replaced_and_traffic_resumes(
@@ -336,6 +348,112 @@ def test_a_bad_update_degrades_the_pool_and_leaves_its_pods_alone(
     fix = {"spec": {"decode": {"minReplicas": None, "maxReplicas": None}}}
     node.kubectl("patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p", json.dumps(fix))
     node.wait_for("the pool to recover", lambda: not degraded(), timeout=60)
+
+
+def _decode_replicas(node: NodeCluster) -> int:
+    (decode,) = [d for d in _deployments(node, "cpu").values() if _role(d) == "decode"]
+    return int(decode["spec"]["replicas"])
+
+
+def _autoscaling_status(node: NodeCluster) -> dict[str, Any]:
+    return dict(
+        (node.get("dpool", "-n", "default", "cpu").get("status") or {}).get("autoscaling") or {}
+    )
+
+
+def _steady_trace(path: Path, n: int, rps: float, output_tokens: int) -> Path:
+    rows = ["arrival_s,prompt_tokens,output_tokens,slo_class"]
+    rows += [
+        f"{i / rps:.3f},{200 + (i * 137) % 1300},{output_tokens},interactive" for i in range(n)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_down(
+    node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
+) -> None:
+    """The closed loop on a node: the router pod's autoscaler reads the traffic it routes and
+    writes its recommendation on the pool; the operator pod scales the decode Deployment; the
+    new pod starts, is probed, and the router sends it work. Then a lower bound scales decode
+    down while requests run, and none is lost.
+
+    The `interactive` class's TPOT target (12 ms) is below one decode step of the emulated A40
+    (about 14 ms), so a decode pod holds one sequence at the target and 2 req/s of 100-token
+    outputs need more than the two pods the pool runs."""
+    assert _decode_replicas(node) == 2
+    old_router = _router_ip(node)
+    loop = {
+        "decode": {"minReplicas": 2, "maxReplicas": 3},
+        "autoscaling": {"enabled": True, "startupSeconds": 30, "stabilizationWindowSeconds": 30},
+        "router": {"sloClasses": [{"name": "interactive", "ttftSeconds": 5, "tpotSeconds": 0.012}]},
+    }
+    node.kubectl(
+        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
+        json.dumps({"spec": loop}),
+    )  # fmt: skip
+    # The router's config changed: its Deployment rolls, and the new pod starts a fresh window.
+    node.wait_for(
+        "the router pod with the autoscaler",
+        lambda: (new := _router_ip(node)) != old_router and new,
+        timeout=180,
+    )
+    ip = _router_service_ip(node)  # from here on, as clients do: the router rolls again below
+    before = {p["metadata"]["name"] for p in _engines(node)}
+    trace = _steady_trace(tmp_path / "steady.csv", 90, rps=2.0, output_tokens=100)
+    run = _loadgen(ip, trace, tmp_path / "up.json")
+    status = node.wait_for(
+        "the operator to apply the router's recommendation",
+        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 3 else {},
+        timeout=150,
+        every=2,
+    )
+    assert status["source"] == "autoscaler" and status["recommendedReplicas"] >= 3, status
+    assert _decode_replicas(node) == 3
+    summary = _summary(run, tmp_path / "up.json")
+    print(f"\n[cluster] scale-up: {status}; loadgen {summary}")
+    assert summary["completed"] + summary["errors"] == 90
+    assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
+
+    def third_decode_pod() -> str:
+        new = [
+            p["metadata"]["name"]
+            for p in _engines(node)
+            if p["metadata"]["name"] not in before and pod_ready(p)
+        ]
+        return new[0] if new else ""
+
+    _wait_calibrated_and_routed_to(node, node.wait_for("a third decode pod", third_decode_pod))
+
+    # Down: the operator keeps the recommendation within the bounds. The new bound changes the
+    # router's config too, so both roll while requests run: the old router drains (it fails its
+    # readiness, then finishes what it holds) and the decode pod that goes is routed around.
+    trace = _steady_trace(tmp_path / "down.csv", 40, rps=2.0, output_tokens=32)
+    router_before = _router_ip(node)
+    run = _loadgen(ip, trace, tmp_path / "down.json")
+    time.sleep(3)
+    node.kubectl(
+        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
+        json.dumps({"spec": {"decode": {"maxReplicas": 2}}}),
+    )  # fmt: skip
+    status = node.wait_for(
+        "the operator to scale decode down to the bound",
+        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 2 else {},
+        timeout=60,
+    )
+    assert "bounds 2..2" in status["reason"], status
+    summary = _summary(run, tmp_path / "down.json")
+    print(f"\n[cluster] scale-down: {status}; loadgen {summary}")
+    assert summary["completed"] == 40 and summary["errors"] == 0, summary["errors_by_status"]
+    node.wait_for("the router to roll", lambda: _router_ip(node) != router_before, timeout=120)
+    node.wait_for(
+        "two decode pods",
+        lambda: (
+            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
+            == 2
+        ),
+        timeout=120,
+    )
 
 
 def test_deleting_the_pool_garbage_collects_its_objects(

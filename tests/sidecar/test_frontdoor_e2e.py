@@ -4,6 +4,7 @@ client), checking the two-step handoff, error shapes, failure handling and accou
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -16,9 +17,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_testkit import A40, MODEL, metric, post
 
 from disaggpool.formats.profiles import save_profile
@@ -379,3 +383,47 @@ def test_the_routers_autoscaler_reads_the_traffic_it_routes(start_pool, start_si
     service = sc.running.service
     assert service.demand.demand(service.clock()).finished == 24
     assert metric(sc.url, "disaggpool_pool_annotation_failures_total") == 0
+
+
+def test_draining_fails_health_closes_connections_and_finishes_what_is_in_flight(
+    start_pool, start_sidecar
+) -> None:
+    """What SIGTERM does (`RunningSidecar.drain`): for `shutdown_delay_s` the router still
+    serves, but its HTTP and gRPC health say it is going and every answer closes its connection;
+    then it stops listening, and a request already in flight still completes."""
+    pool = start_pool([A40], [A40])
+    sc = start_sidecar(pool, shutdown_delay_s=1.5)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+    slow: dict[str, tuple[int, Any]] = {}
+    in_flight = threading.Thread(
+        target=lambda: slow.update(answer=post(f"{sc.url}/v1/completions", body))
+    )
+    in_flight.start()
+    wait_until(lambda: not idle(sc), 10, "the long request to be in flight")
+    drain = threading.Thread(target=lambda: sc.run(lambda: sc.running.drain(), timeout=60))
+    drain.start()
+    wait_until(lambda: sc.call(lambda: sc.running.service.draining), 5, "the drain to begin")
+
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"{sc.url}/health", timeout=5)
+    assert health.value.code == 503
+    assert json.loads(health.value.read())["status"].startswith("draining")
+    with grpc.insecure_channel(sc.grpc_target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        got = check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    conn = http.client.HTTPConnection("127.0.0.1", sc.running.http_port, timeout=30)
+    short = {**body, "max_tokens": 3}
+    conn.request("POST", "/v1/completions", json.dumps(short), {"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    assert answer.status == 200 and answer.getheader("Connection") == "close"
+    assert json.loads(answer.read())["usage"]["completion_tokens"] == 3
+    conn.close()
+
+    drain.join(60)
+    in_flight.join(60)
+    status, done = slow["answer"]
+    assert status == 200 and done["usage"]["completion_tokens"] == 200
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{sc.url}/health", timeout=5)

@@ -244,6 +244,12 @@ def _headless_service(pool: PoolRef, spec: PoolSpec, role: str) -> dict[str, Any
 # ------------------------------------------------------------------------------------- router
 
 
+# A router pod's SIGTERM: it serves on, failing its readiness, for the delay, then finishes what
+# it holds; the grace period covers both with 5 s to spare (sidecar/CONFIG.md, "Shutdown").
+ROUTER_TERMINATION_GRACE_S = 60
+ROUTER_SHUTDOWN_DELAY_S = 5
+
+
 def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     """The sidecar's YAML config (the contract in docs/operator.md)."""
     r = spec.router
@@ -265,6 +271,9 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "local_prefill_below": r.local_prefill_below,
         "priority_scheduling": r.priority_scheduling,
         "prefix_index": r.prefix_index,
+        # Long enough for the endpoints controller and kube-proxy to drop a terminating router.
+        "shutdown_delay_s": ROUTER_SHUTDOWN_DELAY_S,
+        "shutdown_timeout_s": ROUTER_TERMINATION_GRACE_S - ROUTER_SHUTDOWN_DELAY_S - 5,
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         **({"drift": {"pool": _pool_ref(pool)}} if _watches_drift(spec) else {}),
@@ -335,6 +344,9 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
                 },
                 "spec": {
                     "serviceAccountName": name,
+                    # SIGTERM: the sidecar serves on failing its readiness, then finishes what
+                    # is in flight (shutdown_delay_s, shutdown_timeout_s in its config).
+                    "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_S,
                     "securityContext": pod_security_context(),
                     "containers": [
                         {

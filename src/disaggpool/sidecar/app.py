@@ -15,6 +15,7 @@ import signal
 import aiohttp
 import grpc
 from aiohttp import web
+from grpc_health.v1 import health
 
 from disaggpool.sidecar.autoscale import DecodeRecommender
 from disaggpool.sidecar.collectors import Collectors
@@ -45,6 +46,7 @@ class RunningSidecar:
     _grpc: grpc.aio.Server
     _session: aiohttp.ClientSession
     _health_task: asyncio.Task[None]
+    _health: health.aio.HealthServicer
     pool_writer: PoolWriter | None = None
 
     @property
@@ -55,13 +57,27 @@ class RunningSidecar:
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    async def drain(self) -> None:
+        """What SIGTERM does. For `shutdown_delay_s` the router serves on while its health
+        (HTTP `/health`, the gRPC health service) reports it draining and every answer closes
+        its connection, so Kubernetes takes the pod out of the Service's endpoints before it
+        stops listening; then `close` finishes the requests in flight."""
+        self.service.draining = True
+        status = health_status(self.service)
+        for name in ("", "disaggpool.router.v1.Router"):
+            await self._health.set(name, status)
+        await asyncio.sleep(self.service.config.shutdown_delay_s)
+        await self.close()
+
     async def close(self) -> None:
+        """Stop listening, then wait for the requests in flight (at most `shutdown_timeout_s`;
+        their upstream legs need the session and the collectors' view of the pods)."""
+        await self._grpc.stop(grace=1.0)  # Route and Report answer in microseconds
+        await self._runner.cleanup()
         self._health_task.cancel()
         if self.pool_writer is not None:
             await self.pool_writer.stop()
         await self.collectors.stop()
-        await self._grpc.stop(grace=1.0)
-        await self._runner.cleanup()
         await self._session.close()
 
 
@@ -77,7 +93,10 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     counter = PromptCounter(config.tokenizer, service.state, config.model, session)
 
     runner = web.AppRunner(
-        FrontDoor(service, session, counter).app(), handler_cancellation=True, access_log=None
+        FrontDoor(service, session, counter).app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.shutdown_timeout_s,
     )
     await runner.setup()
     host, port = _split(config.http_listen)
@@ -117,6 +136,7 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         grpc_server,
         session,
         health_task,
+        health_servicer,
         pool_writer,
     )
 
@@ -154,6 +174,6 @@ def run_forever(config: SidecarConfig) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        await running.close()
+        await running.drain()
 
     asyncio.run(main())

@@ -126,6 +126,8 @@ class SidecarConfig:
     prefill_attempts: int = 2
     inflight_ttl_s: float = 600.0
     upstream_timeout_s: float = 600.0
+    shutdown_delay_s: float = 0.0  # after SIGTERM: serve on, failing health (sidecar.app)
+    shutdown_timeout_s: float = 50.0  # then: the longest wait for requests in flight
     heterogeneity_window: int = 512
     tokenizer: TokenizerConfig = TokenizerConfig()
     static_members: tuple[Member, ...] = ()
@@ -170,6 +172,8 @@ _TOP = {
     "prefill_attempts",
     "inflight_ttl_s",
     "upstream_timeout_s",
+    "shutdown_delay_s",
+    "shutdown_timeout_s",
     "heterogeneity_window",
     "tokenizer",
     "pool",
@@ -220,9 +224,12 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     for key in ("grpc", "http"):
         if key in listen:
             kwargs[f"{key}_listen"] = _address(rd, listen[key], f"listen.{key}")
-    for key in ("scrape_interval_s", "scrape_timeout_s", "inflight_ttl_s", "upstream_timeout_s"):
+    positive = ("scrape_interval_s", "scrape_timeout_s", "inflight_ttl_s", "upstream_timeout_s")
+    for key in (*positive, "shutdown_timeout_s"):
         if key in top:
             kwargs[key] = rd.number(top[key], key, positive=True)
+    if "shutdown_delay_s" in top:
+        kwargs["shutdown_delay_s"] = rd.number(top["shutdown_delay_s"], "shutdown_delay_s")
     for key in ("max_inflight", "prefill_attempts", "heterogeneity_window"):
         if key in top:
             least = 2 if key == "heterogeneity_window" else 1

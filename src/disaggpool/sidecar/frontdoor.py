@@ -109,14 +109,28 @@ class FrontDoor:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_response_prepare.append(self._close_when_draining)
         return app
+
+    async def _close_when_draining(
+        self, request: web.Request, response: web.StreamResponse
+    ) -> None:
+        # While the router drains (sidecar.app), each answer closes its connection: a client's
+        # next request opens a new one, which the Service sends to a router that stays.
+        if self.service.draining:
+            response.force_close()  # aiohttp has written its headers by now: say it too
+            response.headers["Connection"] = "close"
 
     # ------------------------------------------------------------------ simple endpoints
     async def _health(self, request: web.Request) -> web.Response:
         ok = self.service.healthy_pods()
-        status = 200 if ok["prefill"] and ok["decode"] else 503
+        status = 200 if ok["prefill"] and ok["decode"] and not self.service.draining else 503
+        if self.service.draining:
+            why = "draining: shutting down"
+        else:
+            why = "ok" if status == 200 else "no healthy prefill or decode pod"
         body = {
-            "status": "ok" if status == 200 else "no healthy prefill or decode pod",
+            "status": why,
             "prefill_instances": ok["prefill"],
             "decode_instances": ok["decode"],
             "inflight": self.service.inflight,

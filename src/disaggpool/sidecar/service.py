@@ -120,6 +120,7 @@ class RoutingService:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.draining = False  # SIGTERM received: health says so, answers close (sidecar.app)
         self.state = state or PoolState(prefix_index=config.prefix_index)
         self.policy = policy or make_policy(config.policy, options=config.options)
         self.predictor = predictor or make_predictor(config.predictor)
