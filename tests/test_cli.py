@@ -234,3 +234,34 @@ def test_sim_autoscale_needs_the_scenarios_autoscaling_section(
 ) -> None:
     assert main(["sim", "autoscale", "--scenario", str(TRACE_EXAMPLE)]) == 2
     assert "autoscaling: missing" in capsys.readouterr().err
+
+
+def test_tokenizer_writes_the_emulators_tokenizer_for_other_clients(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`disaggpool tokenizer DIR`: a Hugging Face tokenizer that counts every text as the
+    emulator does (BOS included), keeps vocabulary ids, and formats chats the same way."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from disaggpool.wordtokenizer import Tokenizer
+
+    assert main(["tokenizer", str(tmp_path / "tok")]) == 0
+    assert "vocabulary 32000" in capsys.readouterr().out
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    ours = Tokenizer()
+    texts = [
+        "Hello, world!",
+        "  spaced   out\ttabs\nand lines  ",
+        "<s>specials</s> <unk>?!",
+        "naïve café, 3.14 ok_yes",
+        ours.decode(range(3, 400, 7)),
+        ours.chat_prompt([{"role": "user", "content": "hi there"}], add_generation_prompt=True),
+    ]
+    for text in texts:
+        assert len(hf.encode(text).ids) == len(ours.encode(text, add_special_tokens=True)), text
+    generated = list(range(3, 400, 7))
+    assert hf.encode(ours.decode(generated), add_special_tokens=False).ids == generated
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == "<s>" and "chat_template" in config
+
+    assert main(["tokenizer", str(tmp_path / "t2"), "--vocab-size", "8"]) == 2
+    assert "--vocab-size" in capsys.readouterr().err

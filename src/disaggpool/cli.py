@@ -180,6 +180,18 @@ def cmd_profile_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from disaggpool.wordtokenizer import Tokenizer
+
+    if args.vocab_size < 16:  # as the emulator's own check
+        raise InputError("--vocab-size", "value", f"must be at least 16, got {args.vocab_size}")
+    args.directory.mkdir(parents=True, exist_ok=True)
+    for name, text in Tokenizer(args.vocab_size).huggingface_files().items():
+        (args.directory / name).write_text(text, encoding="utf-8")
+    print(f"wrote the emulator's tokenizer (vocabulary {args.vocab_size}) to {args.directory}")
+    return 0
+
+
 def cmd_profile_show(args: argparse.Namespace) -> int:
     from disaggpool.formats.profiles import dump_profile, resolve_profile
 
@@ -403,6 +415,17 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("emulate", help="serve a vLLM-compatible emulator timed by a profile")
     emulator_cli.build_parser(e)
     e.set_defaults(func=emulator_cli.run)
+
+    t = sub.add_parser(
+        "tokenizer",
+        help="write the emulator's tokenizer as a Hugging Face tokenizer directory",
+        description="Write the emulator's word tokenizer as a Hugging Face tokenizer directory "
+        "(tokenizer.json, tokenizer_config.json): benchmark clients that count tokens "
+        "themselves (aiperf, guidellm) then make prompts of the lengths the emulator counts.",
+    )
+    t.add_argument("directory", type=Path, help="created if missing; its files are replaced")
+    t.add_argument("--vocab-size", type=int, default=32000, help="as the emulator's (32000)")
+    t.set_defaults(func=cmd_tokenizer)
 
     prof = sub.add_parser("profile", help="built-in hardware profiles").add_subparsers(
         dest="profile_command", required=True

@@ -123,6 +123,7 @@ async def _one(
     index: int,
     req: TraceRequest,
     slo_class: str,
+    header_class: str,
     prompt: list[int],
 ) -> RequestResult:
     body = {
@@ -133,7 +134,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"X-SLO-Class": slo_class} if slo_class else {}
+    headers = {"X-SLO-Class": header_class} if header_class else {}
     t0 = time.monotonic()
     first = 0.0
     usage = 0
@@ -187,8 +188,11 @@ async def replay(
     vocab_size: int = 500,
     seed: int = 0,
     on_done: Callable[[RequestResult], None] | None = None,
+    send_default_class: bool = True,
 ) -> LoadReport:
-    """Send every request of `trace` at its (scaled) arrival time; wait for all of them."""
+    """Send every request of `trace` at its (scaled) arrival time; wait for all of them.
+    Without `send_default_class`, requests of the default class go without ``X-SLO-Class``
+    (the server picks its own default; they are still scored against `slo_classes[0]`)."""
     if rate_scale <= 0:
         raise InputError("--rate-scale", "<arg>", "must be positive")
     classes = {c.name: c for c in slo_classes}
@@ -214,7 +218,8 @@ async def replay(
             name = req.slo_class or default
             if name not in classes:
                 raise InputError("trace", f"request {i}.slo_class", f"unknown class {name!r}")
-            result = await _one(session, url, model, i, req, name, prompts[i])
+            sent = name if send_default_class or name != default else ""
+            result = await _one(session, url, model, i, req, name, sent, prompts[i])
             if on_done is not None:
                 on_done(result)
             return result
@@ -269,6 +274,7 @@ def _run(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             seed=args.seed,
             on_done=tick,
+            send_default_class=bool(args.slo),
         )
     )
     bar.close()
@@ -290,7 +296,8 @@ def register(sub: Any) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
         "--slo", action="append", default=[], metavar="NAME:TTFT_S:TPOT_S",
-        help="an SLO class (repeatable; the first is the default)",
+        help="an SLO class (repeatable; the first is the default). Without any, requests go "
+        "without X-SLO-Class (the server's default) and are scored against 2 s TTFT, 0.1 s TPOT",
     )  # fmt: skip
     p.add_argument("--model", help="model name (default: the target's /v1/models)")
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")

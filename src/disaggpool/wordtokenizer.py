@@ -16,6 +16,7 @@ prompts for emulated pools exactly, in process.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -118,3 +119,79 @@ class Tokenizer:
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
+
+    # ------------------------------------------------------------------ for other clients
+    def huggingface_files(self) -> dict[str, str]:
+        """This tokenizer as a Hugging Face tokenizer directory (file name -> text), for
+        clients that count tokens themselves (benchmark clients such as aiperf or guidellm).
+
+        A `tokenizers` WordLevel model over the same vocabulary, split on whitespace then into
+        the same pieces, with BOS added for special tokens and the same chat template. Every
+        text gets the same number of tokens as here, and vocabulary words the same ids; a word
+        outside the vocabulary is `<unk>` there (here it maps into the vocabulary by a hash), a
+        difference in ids only, which no length-driven client sees."""
+        specials = [
+            {
+                "id": i,
+                "content": s,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, s in enumerate(SPECIALS)
+        ]
+        bos = SPECIALS[BOS_ID]
+        seq = {"Sequence": {"id": "A", "type_id": 0}}
+        tokenizer = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": specials,
+            "normalizer": None,
+            "pre_tokenizer": {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "WhitespaceSplit"},
+                    {
+                        "type": "Split",
+                        "pattern": {"Regex": r"\w+|[^\w\s]"},
+                        "behavior": "Isolated",
+                        "invert": False,
+                    },
+                ],
+            },
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, seq],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, seq, seq],
+                "special_tokens": {bos: {"id": bos, "ids": [BOS_ID], "tokens": [bos]}},
+            },
+            "decoder": None,
+            "model": {
+                "type": "WordLevel",
+                "vocab": {self.word(i): i for i in range(self.vocab_size)},
+                "unk_token": SPECIALS[0],
+            },
+        }
+        template = (
+            "<s>{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+        )
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": bos,
+            "eos_token": SPECIALS[2],
+            "unk_token": SPECIALS[0],
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1_000_000,
+            "chat_template": template,
+        }
+        return {
+            "tokenizer.json": json.dumps(tokenizer),
+            "tokenizer_config.json": json.dumps(config, indent=2),
+            "special_tokens_map.json": json.dumps(
+                {"bos_token": bos, "eos_token": SPECIALS[2], "unk_token": SPECIALS[0]}, indent=2
+            ),
+        }
