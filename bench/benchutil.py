@@ -17,10 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
+from disaggpool.pdwire import prefill_leg_params
 from disaggpool.sim import capacity
 from disaggpool.sim.paper_config import PaperConfig
 from disaggpool.sim.paper_traces import mixed_trace
@@ -170,3 +173,23 @@ def measure_and_report(
     print(render(doc))
     print(machine_line(machine))
     write_json(json_path, doc)
+
+
+async def two_legs(
+    session: aiohttp.ClientSession,
+    prefill_url: str,
+    decode_url: str,
+    body: dict[str, Any],
+    request_id: str,
+) -> None:
+    """vLLM's P/D handoff done by the client itself, as a baseline for the routers: the prefill
+    leg (one token, not streamed, `do_remote_decode`), then the decode leg with its
+    `kv_transfer_params`."""
+    hdr = {"X-Request-Id": request_id}
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_leg_params()}
+    async with session.post(f"{prefill_url}/v1/completions", json=leg, headers=hdr) as r:
+        params = (await r.json())["kv_transfer_params"]
+    decode = {**body, "kv_transfer_params": params}
+    async with session.post(f"{decode_url}/v1/completions", json=decode, headers=hdr) as r:
+        assert r.status == 200, r.status
+        await r.read()

@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.stats import bootstrap_share_interval
 from disaggpool.demo import free_port, processes, wait_http
 from disaggpool.formats.embedded import embedded_trace
 from disaggpool.formats.profiles import save_profile
@@ -206,10 +206,14 @@ def start_vllm_router(
     exe: Path,
     members: dict[str, list[dict[str, str]]],
     policy: str,
+    cpu: str = "",
 ) -> str:
+    """vllm-router in its P/D mode in front of `members`, on CPU `cpu` if given; its URL."""
     port = free_port()
     cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
            "--policy", policy, "--log-level", "warning"]  # fmt: skip
+    if cpu:
+        cmd = ["taskset", "-c", cpu, *cmd]
     for m in members["prefill"]:
         cmd += ["--prefill", m["url"]]
         if "kv_events" in m:  # its P/D mode's own flag for static event sources (16-token blocks)
@@ -261,15 +265,13 @@ def run_config(
 
 def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> dict[str, Any]:
     met = [r.ok and SLO.met(r.ttft_s, r.tpot_s) for r in report.results]
-    rng = random.Random(seed)
     n = len(met)
-    boots = sorted(sum(met[rng.randrange(n)] for _ in range(n)) / n for _ in range(2000))
     ttfts = sorted(r.ttft_s for r in report.results if r.ok)
     return {
         "config": label,
         "requests": n,
         "goodput": sum(met) / n,
-        "goodput_ci95": [boots[50], boots[1949]],
+        "goodput_ci95": list(bootstrap_share_interval(met, seed)),
         "prefix_hit": hit_share,
         "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else None,
         "errors": sum(not r.ok for r in report.results),

@@ -40,12 +40,11 @@ import aiohttp
 import grpc
 import yaml
 
-from benchutil import md_table, measure_and_report
+from benchutil import md_table, measure_and_report, two_legs
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.formats.profiles import save_profile
-from disaggpool.pdwire import prefill_leg_params
 from disaggpool.router.v1 import router_pb2 as pb
 from disaggpool.router.v1 import router_pb2_grpc as pb_grpc
 from disaggpool.sidecar.config import parse_config
@@ -324,18 +323,9 @@ def bench_frontdoor(quick: bool) -> list[dict[str, Any]]:
             "eleven twelve thirteen fourteen fifteen",
             "max_tokens": 2,
         }
-        nulls = prefill_leg_params()
 
         async def direct(session: aiohttp.ClientSession, i: int) -> None:
-            hdr = {"X-Request-Id": f"direct-{i}"}
-            leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": nulls}
-            async with session.post(f"{p.url}/v1/completions", json=leg, headers=hdr) as r:
-                params = (await r.json())["kv_transfer_params"]
-            async with session.post(
-                f"{d.url}/v1/completions", json={**body, "kv_transfer_params": params}, headers=hdr
-            ) as r:
-                assert r.status == 200
-                await r.read()
+            await two_legs(session, p.url, d.url, body, f"direct-{i}")
 
         with SidecarThread(cfg) as sc:
 

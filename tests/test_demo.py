@@ -172,6 +172,8 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert set(row["served_by_pod"]) <= {"decode-0", "decode-1"}
         assert sum(row["served_by_pod"].values()) == n, row
         assert 0.0 <= row["goodput_measured"] <= 1.0
+        lo, hi = row["goodput_ci95"]  # a bootstrap interval around the measured goodput
+        assert lo <= row["goodput_measured"] <= hi
         # The simulator's prediction for the same trace and policy.
         assert 0.0 <= row["goodput_simulated"] <= 1.0
         assert row["goodput_simulated_sd"] >= 0.0

@@ -66,6 +66,7 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import default_options
 from disaggpool.core.prefix_index import leading_hit_tokens
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.stats import bootstrap_share_interval
 from disaggpool.formats.embedded import AZURE_2023_FILES, embedded_trace, read_embedded_trace
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
@@ -310,7 +311,8 @@ def _running(url: str) -> float:
     return sum(s.value for s in promtext.parse(text, names))
 
 
-def _drain(urls: Sequence[str], timeout: float = 120.0) -> None:
+def wait_idle(urls: Sequence[str], timeout: float = 120.0) -> None:
+    """Until no pod at `urls` runs or queues a request (at most `timeout` seconds)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if all(_running(u) == 0 for u in urls):
@@ -345,54 +347,70 @@ def _reset_caches(urls: Sequence[str], timeout: float = 60.0) -> None:
             time.sleep(0.5)
 
 
+def start_calibrated_pool(
+    cfg: DemoConfig,
+    pods: dict[str, tuple[str, CalibrationProfile]],
+    tmp: Path,
+    procs: list[subprocess.Popen[bytes]],
+) -> tuple[dict[str, str], dict[str, CalibrationProfile]]:
+    """One emulator process per pod of `pods`, timed by its hidden true profile, then each pod
+    probed by `disaggpool calibrate` into ``tmp/profiles/<pod>.yaml``: (pod -> URL, pod -> fitted
+    profile). The processes go into `procs` (`processes` stops them)."""
+    exe = [sys.executable, "-m", "disaggpool"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    (tmp / "profiles").mkdir(exist_ok=True)
+    urls: dict[str, str] = {}
+    started: list[subprocess.Popen[bytes]] = []
+    # With prefix caching, vLLM's dev endpoint empties the caches between policies; without,
+    # every policy replays the same prompts and would find the previous ones' cached.
+    caching = ["--enable-prefix-caching"] if cfg.prefix else ["--no-enable-prefix-caching"]
+    _say(f"starting {len(pods)} emulated vLLM pods (hidden profiles)")
+    for name, (_, true) in pods.items():
+        path = tmp / f"true-{name}.yaml"
+        save_profile(true, path)
+        port = free_port()
+        urls[name] = f"http://127.0.0.1:{port}"
+        pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        if cfg.prefix:
+            pod_env["VLLM_SERVER_DEV_MODE"] = "1"
+        log = (tmp / f"{name}.log").open("wb")
+        started.append(
+            subprocess.Popen(
+                [*exe, "emulate", "--profile", str(path), "--port", str(port),
+                 "--seed", str(cfg.seed + len(started)), *caching],
+                env=pod_env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        )  # fmt: skip
+        procs.append(started[-1])
+    for name, proc in zip(pods, started, strict=True):
+        wait_http(f"{urls[name]}/health", proc)
+
+    prefill_url = next(urls[n] for n, (role, _) in pods.items() if role == "prefill")
+    for name, (role, _) in pods.items():
+        _say(f"calibrating {name} ({role}, {cfg.budget_s:.0f} s probe)")
+        out = str(tmp / "profiles" / f"{name}.yaml")
+        cmd = [*exe, "calibrate", "--endpoint", urls[name], "--role", role, "--name", name,
+               "--out", out, "--budget-seconds", str(cfg.budget_s),
+               "--max-num-seqs", str(MAX_NUM_SEQS)]  # fmt: skip
+        if role == "decode":
+            cmd += ["--peer", prefill_url]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        said = stderr_messages(done.stderr)
+        if done.returncode not in (0, 3):
+            detail = "\n".join(said[-10:]) or done.stderr[-2000:]
+            raise RuntimeError(f"calibrating {name} failed (exit {done.returncode}):\n{detail}")
+        _say("  " + (said or ["?"])[-1])
+    return urls, {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
+
+
 def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     exe = [sys.executable, "-m", "disaggpool"]
     pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
     base_trace, slo = demo_trace(cfg.seed, cfg.trace)
     with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
-        (tmp / "profiles").mkdir()
-        urls: dict[str, str] = {}
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # With prefix caching, vLLM's dev endpoint empties the caches between policies; without,
-        # every policy replays the same prompts and would find the previous ones' cached.
-        caching = ["--enable-prefix-caching"] if cfg.prefix else ["--no-enable-prefix-caching"]
-        _say(f"starting {len(pods)} emulated vLLM pods (hidden profiles)")
-        for name, (_, true) in pods.items():
-            path = tmp / f"true-{name}.yaml"
-            save_profile(true, path)
-            port = free_port()
-            urls[name] = f"http://127.0.0.1:{port}"
-            pod_env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-            if cfg.prefix:
-                pod_env["VLLM_SERVER_DEV_MODE"] = "1"
-            log = (tmp / f"{name}.log").open("wb")
-            procs.append(
-                subprocess.Popen(
-                    [*exe, "emulate", "--profile", str(path), "--port", str(port),
-                     "--seed", str(cfg.seed + len(procs)), *caching],
-                    env=pod_env, stdout=log, stderr=subprocess.STDOUT,
-                )
-            )  # fmt: skip
-        for name, proc in zip(pods, procs, strict=True):
-            wait_http(f"{urls[name]}/health", proc)
-
-        prefill_url = next(urls[n] for n, (role, _) in pods.items() if role == "prefill")
-        for name, (role, _) in pods.items():
-            _say(f"calibrating {name} ({role}, {cfg.budget_s:.0f} s probe)")
-            out = str(tmp / "profiles" / f"{name}.yaml")
-            cmd = [*exe, "calibrate", "--endpoint", urls[name], "--role", role, "--name", name,
-                   "--out", out, "--budget-seconds", str(cfg.budget_s),
-                   "--max-num-seqs", str(MAX_NUM_SEQS)]  # fmt: skip
-            if role == "decode":
-                cmd += ["--peer", prefill_url]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            said = stderr_messages(done.stderr)
-            if done.returncode not in (0, 3):
-                detail = "\n".join(said[-10:]) or done.stderr[-2000:]
-                raise RuntimeError(f"calibrating {name} failed (exit {done.returncode}):\n{detail}")
-            _say("  " + (said or ["?"])[-1])
-        fitted = {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
+        urls, fitted = start_calibrated_pool(cfg, pods, tmp, procs)
 
         rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed, cfg.prefix)
         _say(
@@ -411,17 +429,19 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             if cfg.prefix:
                 _reset_caches(list(urls.values()))
             before = _cache_counts(prefill_urls)
-            measured, served = _serve_policy(
+            measured, served = serve_policy(
                 exe, env, tmp, urls, pods, policy, trace, slo, procs, cfg.prefix
             )
-            _drain(list(urls.values()))
+            wait_idle(list(urls.values()))
             after = _cache_counts(prefill_urls)
             queries, hits = after[0] - before[0], after[1] - before[1]
             summary = measured.summary()
+            met = [r.ok and slo.met(r.ttft_s, r.tpot_s) for r in measured.results]
             rows.append(
                 {
                     "policy": policy,
                     "goodput_measured": round(summary["goodput"], 4),
+                    "goodput_ci95": [round(x, 4) for x in bootstrap_share_interval(met, cfg.seed)],
                     "goodput_simulated": round(statistics.fmean(sim_goodput), 4),
                     "goodput_simulated_sd": round(statistics.stdev(sim_goodput), 4),
                     "requests": summary["requests"],
@@ -481,7 +501,7 @@ def _speed(p: CalibrationProfile) -> float:
     return a40 / p.decode.step(16, 16384)
 
 
-def _serve_policy(
+def serve_policy(
     exe: list[str],
     env: dict[str, str],
     tmp: Path,
@@ -556,7 +576,8 @@ def _print_table(result: dict[str, Any]) -> None:
         f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
     )
     cached = setup["trace"] == "mooncake"
-    head = (f"{'policy':<14}{'goodput':>9}{'simulated (sd)':>16}{'errors':>8}{'TTFT p99':>10}"
+    head = (f"{'policy':<14}{'goodput':>9}{'95% interval':>15}{'simulated (sd)':>16}{'errors':>8}"
+            f"{'TTFT p99':>10}"
             f"{'TPOT p99':>10}{'   cached (sim)' if cached else ''}"
             "  decode requests per pod")  # fmt: skip
     print(head)
@@ -568,11 +589,24 @@ def _print_table(result: dict[str, Any]) -> None:
             else ""
         )
         print(
-            f"{r['policy']:<14}{r['goodput_measured']:>9.3f}{r['goodput_simulated']:>9.3f} "
+            f"{r['policy']:<14}{r['goodput_measured']:>9.3f}"
+            f"{r['goodput_ci95'][0]:>9.3f}-{r['goodput_ci95'][1]:.3f}"
+            f"{r['goodput_simulated']:>9.3f} "
             f"({r['goodput_simulated_sd']:.3f})"
             f"{r['errors']:>8}{r['ttft_p99_s']:>9.2f}s{r['tpot_p99_s'] * 1000:>8.0f}ms"
             f"{share}  {served}"
         )
+    first, *others = result["policies"]
+    tied = [r["policy"] for r in others if _overlap(first["goodput_ci95"], r["goodput_ci95"])]
+    if tied:
+        print(
+            f"{first['policy']} is not told apart from {', '.join(tied)} by this run: their 95% "
+            "intervals (bootstrap over requests) overlap; a longer --duration narrows them."
+        )
+
+
+def _overlap(a: Sequence[float], b: Sequence[float]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:

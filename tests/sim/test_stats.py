@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from disaggpool.core.stats import (
+    bootstrap_share_interval,
     coefficient_of_variation,
     interpolated_quantile,
     mean_or_nan,
@@ -48,3 +49,14 @@ def test_coefficient_of_variation() -> None:
 def test_mean_or_nan() -> None:
     assert mean_or_nan([1.0, 2.0, 6.0]) == 3.0
     assert math.isnan(mean_or_nan([]))
+
+
+def test_bootstrap_share_interval_contains_the_share_and_narrows_with_more_requests() -> None:
+    few = [True] * 85 + [False] * 15
+    lo, hi = bootstrap_share_interval(few, seed=1)
+    assert lo < 0.85 < hi and 0.05 < hi - lo < 0.2
+    many_lo, many_hi = bootstrap_share_interval(few * 16, seed=1)
+    assert many_lo < 0.85 < many_hi and (many_hi - many_lo) < (hi - lo) / 3
+    assert bootstrap_share_interval(few, seed=1) == (lo, hi)  # seeded: the same every run
+    assert bootstrap_share_interval([True] * 10, seed=0) == (1.0, 1.0)
+    assert all(math.isnan(x) for x in bootstrap_share_interval([], seed=0))

@@ -10,10 +10,17 @@ observations) are NaN rather than an exception, so a summary of an empty run sti
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["coefficient_of_variation", "interpolated_quantile", "mean_or_nan", "percentile"]
+__all__ = [
+    "bootstrap_share_interval",
+    "coefficient_of_variation",
+    "interpolated_quantile",
+    "mean_or_nan",
+    "percentile",
+]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -49,3 +56,16 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
 def mean_or_nan(values: Sequence[float]) -> float:
     """Arithmetic mean; NaN for an empty sequence (where `statistics.fmean` would raise)."""
     return statistics.fmean(values) if values else math.nan
+
+
+def bootstrap_share_interval(
+    flags: Sequence[bool], seed: int, resamples: int = 2000
+) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the share of true `flags` (a goodput over its
+    requests), resampling them `resamples` times from a generator seeded with `seed`."""
+    n = len(flags)
+    if not n:
+        return (math.nan, math.nan)
+    rng = random.Random(seed)
+    boots = sorted(sum(flags[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]

@@ -1,0 +1,376 @@
+"""Side by side with vLLM's own router: goodput on a heterogeneous pool, and each router's overhead.
+
+Goodput
+-------
+The demo's pool (`disaggpool.demo`): 1 prefill + 3 decode emulator processes of Llama-3-8B on an
+A40, the decode boards at 1.0x, 0.55x and 1.25x speed, timed by hidden true profiles; every pod
+calibrated by the probe (`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
+trace (Azure 2023 conversation lengths, Gamma CV 3 arrivals) at the rate where round-robin
+attains 0.85 goodput in the simulator, `--duration` seconds of it, replayed by `disaggpool
+loadgen` through (a) `disaggpool sidecar` with each of our policies, (b) `vllm-router` (PyPI,
+pinned `VLLM_ROUTER`, installed by `prefix_emulated.vllm_router` into its own virtual
+environment; skipped with a message when it cannot be) in its P/D mode with each of its
+policies that apply here: round_robin, random, power_of_two, cache_aware. (kv_aware needs KV
+events from prefix-caching pods, consistent_hash and sticky_least_loaded a session key; this
+trace has neither: bench/prefix_emulated.py runs kv_aware on a Mooncake slice.) Every router
+replays the same trace on the same pods, one after the other, the pods idle in between.
+Per row: goodput with its 95% bootstrap interval over requests, TTFT and TPOT p50/p99, errors,
+and the requests each decode pod served (the pods' own `vllm:request_success_total`).
+
+Overhead
+--------
+One prefill and one decode emulator in one process with zero jitter (20x an A40, so the engine's
+own time is small), the same request (a 15-word prompt, 2 output tokens, not streamed) sent one
+at a time (a) as the two legs by the client itself (`benchutil.two_legs`), (b) through our front
+door (`calibrated`), (c) through vllm-router (`round_robin`), in interleaved blocks so drift hits
+all alike. Each router process on CPU 0, the emulators and this client on CPU 1 (where there are
+two). Overhead = the router's percentile - the direct percentile, at p50 and p99.
+
+Run: ``.venv/bin/python bench/peers.py [--quick] [--duration S] [--json FILE]``; ``--quick`` (a
+20 s trace, two policies each, 60 overhead samples) takes about 5 minutes, the
+default about 20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from tqdm import tqdm
+
+import benchutil
+from disaggpool import promtext
+from disaggpool.core.contracts import SLOClass
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.core.stats import bootstrap_share_interval, percentile
+from disaggpool.demo import (
+    DemoConfig,
+    demo_trace,
+    free_port,
+    operating_rate,
+    processes,
+    serve_policy,
+    start_calibrated_pool,
+    true_profiles,
+    wait_http,
+    wait_idle,
+)
+from disaggpool.formats.profiles import save_profile
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.loadgen import LoadReport, replay
+from prefix_emulated import VLLM_ROUTER, start_vllm_router, vllm_router
+
+OURS = ("calibrated", "least_loaded", "length", "round_robin")
+THEIRS = ("round_robin", "random", "power_of_two", "cache_aware")
+QUICK_OURS = ("calibrated", "round_robin")
+QUICK_THEIRS = ("round_robin", "cache_aware")
+OVERHEAD_POLICY = {"disaggpool": "calibrated", "vllm-router": "round_robin"}
+MODEL = "bench/model"
+A40 = builtin_profile("a40-llama3-8b")
+CPUS = ("0", "1") if (os.cpu_count() or 1) >= 2 else ("", "")  # routers, everything else
+
+
+def _successes(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    name = "vllm:request_success_total"
+    return promtext.total(promtext.parse(text, [name]), name)
+
+
+def _row(
+    router: str, policy: str, report: LoadReport, slo: SLOClass, served: dict[str, int], seed: int
+) -> dict[str, Any]:
+    met = [r.ok and slo.met(r.ttft_s, r.tpot_s) for r in report.results]
+    summary = report.summary()
+    ok = [r for r in report.results if r.ok]
+    return {
+        "router": router,
+        "policy": policy,
+        "requests": len(met),
+        "goodput": round(sum(met) / len(met), 4),
+        "goodput_ci": [round(x, 4) for x in bootstrap_share_interval(met, seed)],
+        "ttft_p50_s": round(statistics.median(r.ttft_s for r in ok), 4) if ok else None,
+        "ttft_p99_s": round(summary["ttft_p99_s"], 4),
+        "tpot_p50_s": round(statistics.median(r.tpot_s for r in ok), 4) if ok else None,
+        "tpot_p99_s": round(summary["tpot_p99_s"], 4),
+        "errors": summary["errors"],
+        "served_by_pod": served,
+        "overhead_p50_ms": None,
+        "overhead_p99_ms": None,
+    }
+
+
+def measure_goodput(
+    cfg: DemoConfig, ours: Sequence[str], theirs: Sequence[str], router: Path | None
+) -> dict[str, Any]:
+    pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
+    base, slo = demo_trace(cfg.seed, cfg.trace)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    exe = [sys.executable, "-m", "disaggpool"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dp-peers-") as tmp_name, processes() as procs:
+        tmp = Path(tmp_name)
+        urls, fitted = start_calibrated_pool(cfg, pods, tmp, procs)
+        rate, trace = operating_rate(pods, base, slo, cfg.duration_s, cfg.seed)
+        decode = [n for n, (role, _) in pods.items() if role == "decode"]
+        members = {
+            role: [{"name": n, "url": urls[n]} for n, (r, _) in pods.items() if r == role]
+            for role in ("prefill", "decode")
+        }
+        runs = [("disaggpool", p) for p in ours]
+        runs += [("vllm-router", p) for p in theirs] if router is not None else []
+        for who, policy in runs:
+            before = {n: _successes(urls[n]) for n in decode}
+            if who == "disaggpool":
+                report, _ = serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
+            else:
+                assert router is not None
+                report = _through_vllm_router(router, tmp, members, policy, trace, slo)
+            wait_idle(list(urls.values()))
+            served = {n: int(_successes(urls[n]) - before[n]) for n in decode}
+            rows.append(_row(who, policy, report, slo, served, cfg.seed))
+    return {
+        "pool": "1 prefill + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated",
+        "rate_rps": round(rate, 3),
+        "duration_s": cfg.duration_s,
+        "requests": len(trace),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "fitted_quality": {n: p.quality for n, p in fitted.items()},
+        "rows": rows,
+    }
+
+
+def _through_vllm_router(
+    router: Path,
+    tmp: Path,
+    members: dict[str, list[dict[str, str]]],
+    policy: str,
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+) -> LoadReport:
+    with processes() as procs:
+        url = start_vllm_router(procs, tmp, router, members, policy)
+        bar = tqdm(total=len(trace), desc=f"vllm-router {policy:>13}", unit="req")
+        report = asyncio.run(replay(url, trace, [slo], on_done=lambda _: bar.update(1)))
+        bar.close()
+    return report
+
+
+def start_fast_pair(tmp: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """1 prefill + 1 decode emulator, zero jitter, 20x an A40, in one process on CPU 1."""
+    code = f"""
+import json, time
+from disaggpool.core.hardware import builtin_profile
+from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.harness import EmulatorThread
+fast = builtin_profile("a40-llama3-8b").scaled(20.0)
+urls = {{}}
+for name in ("p0", "d0"):
+    emu = EmulatorThread(EmulatorConfig(fast, port=0, side_channel_port=0, jitter=0.0,
+                                        model="{MODEL}", side_channel_host="127.0.0.1")).start()
+    urls[name] = emu.url
+print(json.dumps(urls), flush=True)
+time.sleep(3600)
+"""
+    cmd = [sys.executable, "-c", code]
+    if CPUS[1]:
+        cmd = ["taskset", "-c", CPUS[1], *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    urls: dict[str, str] = json.loads(proc.stdout.readline())
+    (tmp / "profiles").mkdir(exist_ok=True)
+    for name in urls:  # the router is told the truth: a perfect probe
+        save_profile(A40.scaled(20.0, name=name), tmp / "profiles" / f"{name}.yaml")
+    return proc, urls
+
+
+def start_pair_sidecar(
+    tmp: Path,
+    urls: dict[str, str],
+    procs: list[Any],
+    command: Sequence[str] = (sys.executable, "-m", "disaggpool", "sidecar", "--config"),
+    name: str = "sidecar",
+) -> str:
+    """Our router (`calibrated`) in front of `start_fast_pair`'s pods, on CPU 0: `command`
+    followed by its config file's path starts it. Its URL."""
+    port = free_port()
+    config = {
+        "policy": OVERHEAD_POLICY["disaggpool"],
+        "model": MODEL,
+        "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
+        "slo_classes": [{"name": "chat", "ttft_s": 1.0, "tpot_s": 0.1}],
+        "tokenizer": {"kind": "emulator"},
+        "pool": {
+            "static": {
+                "prefill": [{"name": "p0", "url": urls["p0"]}],
+                "decode": [{"name": "d0", "url": urls["d0"]}],
+            }
+        },
+        "profiles": {"dir": str(tmp / "profiles")},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cmd = [*command, str(path)]
+    if CPUS[0]:
+        cmd = ["taskset", "-c", CPUS[0], *cmd]
+    log = (tmp / f"{name}.log").open("wb")
+    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", procs[-1])
+    time.sleep(1.5)  # the profiles read, a scrape done
+    return url
+
+
+def interleaved_latencies(
+    targets: dict[str, str], pair: dict[str, str], body: dict[str, Any], n: int, desc: str
+) -> dict[str, list[float]]:
+    """Seconds per request of `body`, sent one at a time from CPU 1: as the two legs straight to
+    `pair` (`"direct"`, not streamed) and through each of `targets` (name -> URL); 20 warm-up
+    requests each (connections, the routers' first scrape), then `n` each in 10 interleaved
+    blocks, so drift hits every path alike."""
+
+    async def one(session: aiohttp.ClientSession, who: str, i: int) -> float:
+        t0 = time.perf_counter()
+        if who == "direct":
+            direct = {**body, "stream": False}
+            await benchutil.two_legs(session, pair["p0"], pair["d0"], direct, f"direct-{i}")
+        else:
+            async with session.post(f"{targets[who]}/v1/completions", json=body) as r:
+                assert r.status == 200, (who, r.status)
+                await r.read()
+        return time.perf_counter() - t0
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {who: [] for who in ("direct", *targets)}
+        async with aiohttp.ClientSession() as session:
+            for who in times:
+                for i in range(20):
+                    await one(session, who, i)
+            for block in tqdm(range(10), desc=desc, unit="block"):
+                for who in times:
+                    for i in range(n // 10):
+                        times[who].append(await one(session, who, block * n + i))
+        return times
+
+    if CPUS[1]:
+        os.sched_setaffinity(0, {int(CPUS[1])})
+    try:
+        return asyncio.run(run())
+    finally:
+        if CPUS[1]:
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+def measure_overhead(n: int, router: Path | None) -> dict[str, dict[str, float]]:
+    """Latency percentiles (ms) of the same request sent directly and through each router."""
+    body = {
+        "model": MODEL,
+        "prompt": "one two three four five six seven eight nine ten eleven twelve thirteen "
+        "fourteen fifteen",
+        "max_tokens": 2,
+    }
+    with tempfile.TemporaryDirectory(prefix="dp-overhead-") as tmp_name, processes() as procs:
+        tmp = Path(tmp_name)
+        emulators, urls = start_fast_pair(tmp)
+        procs.append(emulators)
+        targets = {"disaggpool": start_pair_sidecar(tmp, urls, procs)}
+        if router is not None:
+            members = {"prefill": [{"url": urls["p0"]}], "decode": [{"url": urls["d0"]}]}
+            targets["vllm-router"] = start_vllm_router(
+                procs, tmp, router, members, OVERHEAD_POLICY["vllm-router"], cpu=CPUS[0]
+            )
+        times = interleaved_latencies(targets, urls, body, n, "overhead")
+    out = {}
+    for who, values in times.items():
+        out[who] = {
+            "p50_ms": statistics.median(values) * 1000,
+            "p99_ms": percentile(values, 99) * 1000,
+        }
+    return out
+
+
+def measure(quick: bool, duration_s: float | None, seed: int, peers: bool) -> dict[str, Any]:
+    router = vllm_router() if peers else None
+    cfg = DemoConfig(duration_s=duration_s or (20.0 if quick else 90.0), seed=seed)
+    goodput = measure_goodput(
+        cfg, QUICK_OURS if quick else OURS, QUICK_THEIRS if quick else THEIRS, router
+    )
+    latency = measure_overhead(60 if quick else 300, router)
+    direct = latency["direct"]
+    for row in goodput["rows"]:
+        if row["policy"] == OVERHEAD_POLICY[row["router"]] and row["router"] in latency:
+            mine = latency[row["router"]]
+            row["overhead_p50_ms"] = round(mine["p50_ms"] - direct["p50_ms"], 3)
+            row["overhead_p99_ms"] = round(mine["p99_ms"] - direct["p99_ms"], 3)
+    return {
+        "vllm_router": VLLM_ROUTER if router is not None else None,
+        "goodput": goodput,
+        "latency_ms": latency,
+        "rows": goodput["rows"],
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    res = doc["peers"]
+    g = res["goodput"]
+    rows = [
+        {
+            **r,
+            "95% interval": f"{r['goodput_ci'][0]:.3f}-{r['goodput_ci'][1]:.3f}",
+            "TTFT p50/p99 s": f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
+            "TPOT p50/p99 ms": f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p99_s'] * 1000:.1f}",
+            "requests per decode pod": " / ".join(str(v) for v in r["served_by_pod"].values()),
+            "overhead p50/p99 ms": (
+                f"{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}"
+                if r["overhead_p50_ms"] is not None
+                else ""
+            ),
+        }
+        for r in res["rows"]
+    ]
+    cols = ["router", "policy", "goodput", "95% interval", "TTFT p50/p99 s", "TPOT p50/p99 ms",
+            "errors", "requests per decode pod", "overhead p50/p99 ms"]  # fmt: skip
+    lat = [{"path": who, **v} for who, v in res["latency_ms"].items()]
+    return (
+        f"### Goodput ({g['pool']}; {g['requests']} requests at {g['rate_rps']} req/s over "
+        f"{g['duration_s']:.0f} s; SLO TTFT {g['slo']['ttft_s']:.2f} s, TPOT "
+        f"{g['slo']['tpot_s'] * 1000:.0f} ms; vllm-router {res['vllm_router']})\n\n"
+        + benchutil.md_table(rows, cols)
+        + "\n### The same request, one at a time, directly and through each router (ms)\n\n"
+        + benchutil.md_table(lat, ["path", "p50_ms", "p99_ms"])
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 20 s trace, two policies each")
+    ap.add_argument("--duration", type=float, help="seconds of trace (default 90; quick 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.duration is not None and args.duration <= 0:
+        ap.error(f"--duration must be positive, got {args.duration}")
+    benchutil.measure_and_report(
+        lambda: {"peers": measure(args.quick, args.duration, args.seed, not args.no_peers)},
+        render,
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
