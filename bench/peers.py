@@ -24,11 +24,16 @@ own time is small), the same request (a 15-word prompt, 2 output tokens, not str
 at a time (a) as the two legs by the client itself (`benchutil.two_legs`), (b) through our front
 door (`calibrated`), (c) through vllm-router (`round_robin`), in interleaved blocks so drift hits
 all alike. Each router process on CPU 0, the emulators and this client on CPU 1 (where there are
-two). Overhead = the router's percentile - the direct percentile, at p50 and p99.
+two). Overhead = the router's percentile - the direct percentile, at p50 and p99. Then an
+open-loop rate ladder (25 to 800 req/s, each rung one unrecorded second then at least 400
+requests, each path in turn): a router's p99 overhead over the direct p99 at the same rate, and
+the highest rung of its unbroken run under 5 ms without errors. The ladder stops where the direct
+path itself saturates (its p99 over 50 ms, or an error): beyond, the client and emulators' one
+core, not the router, would be measured.
 
-Run: ``.venv/bin/python bench/peers.py [--quick] [--duration S] [--json FILE]``; ``--quick`` (a
-20 s trace, two policies each, 60 overhead samples) takes about 5 minutes, the
-default about 20.
+Run: ``.venv/bin/python bench/peers.py [--quick] [--duration S] [--part goodput|overhead|all]
+[--json FILE]``; ``--quick`` (a 20 s trace, two policies each, 60 overhead samples) takes about 6
+minutes, the default about 22.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ THEIRS = ("round_robin", "random", "power_of_two", "cache_aware")
 QUICK_OURS = ("calibrated", "round_robin")
 QUICK_THEIRS = ("round_robin", "cache_aware")
 OVERHEAD_POLICY = {"disaggpool": "calibrated", "vllm-router": "round_robin"}
+RATES = (25, 50, 100, 200, 400, 800)  # req/s, the open-loop ladder of the overhead part
+LADDER_SAMPLES = 400  # requests per rung at least, so its p99 rests on four
+HARNESS_LIMIT_S = 0.05  # a direct p99 above this: the client's own core is saturated
 MODEL = "bench/model"
 A40 = builtin_profile("a40-llama3-8b")
 CPUS = ("0", "1") if (os.cpu_count() or 1) >= 2 else ("", "")  # routers, everything else
@@ -110,6 +118,7 @@ def _row(
         "served_by_pod": served,
         "overhead_p50_ms": None,
         "overhead_p99_ms": None,
+        "sustained_rps": None,
     }
 
 
@@ -274,8 +283,9 @@ def interleaved_latencies(
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
-def measure_overhead(n: int, router: Path | None) -> dict[str, dict[str, float]]:
-    """Latency percentiles (ms) of the same request sent directly and through each router."""
+def measure_overhead(n: int, rate_seconds: float, router: Path | None) -> dict[str, dict[str, Any]]:
+    """Latency percentiles (ms) of the same request sent one at a time, directly and through
+    each router, and each router's climb up the rate ladder (`_rate_ladder`)."""
     body = {
         "model": MODEL,
         "prompt": "one two three four five six seven eight nine ten eleven twelve thirteen "
@@ -293,39 +303,116 @@ def measure_overhead(n: int, router: Path | None) -> dict[str, dict[str, float]]
                 procs, tmp, router, members, OVERHEAD_POLICY["vllm-router"], cpu=CPUS[0]
             )
         times = interleaved_latencies(targets, urls, body, n, "overhead")
-    out = {}
+        ladder = _rate_ladder(targets, urls, body, rate_seconds)
+    out: dict[str, dict[str, Any]] = {}
     for who, values in times.items():
         out[who] = {
             "p50_ms": statistics.median(values) * 1000,
             "p99_ms": percentile(values, 99) * 1000,
         }
+    for who in targets:
+        steps = [{"rps": rate, **ladder[rate][who]} for rate in RATES if rate in ladder]
+        out[who]["rate_ladder"] = steps
+        passed = [s["rps"] for s in steps if s["errors"] == 0 and s["overhead_p99_ms"] < 5.0]
+        # The highest rate of the ladder's unbroken run from its foot.
+        ok = [r for i, r in enumerate(RATES) if all(x in passed for x in RATES[: i + 1])]
+        out[who]["sustained_rps"] = ok[-1] if ok else 0
     return out
 
 
-def measure(quick: bool, duration_s: float | None, seed: int, peers: bool) -> dict[str, Any]:
+def _rate_ladder(
+    targets: dict[str, str], pair: dict[str, str], body: dict[str, Any], seconds: float
+) -> dict[int, dict[str, dict[str, float]]]:
+    """At each rate of `RATES`, `seconds` of requests at that constant rate (open loop: sent on
+    time whether or not earlier ones have answered) to each path in turn, direct first; per
+    router its p99 overhead over the direct p99 at the same rate, and its errors."""
+
+    async def one(session: aiohttp.ClientSession, who: str, i: int) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            if who == "direct":
+                await benchutil.two_legs(session, pair["p0"], pair["d0"], body, f"rate-{i}")
+            else:
+                async with session.post(f"{targets[who]}/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        return None
+                    await r.read()
+        except (TimeoutError, aiohttp.ClientError, AssertionError):
+            return None
+        return time.perf_counter() - t0
+
+    async def at_rate(session: aiohttp.ClientSession, who: str, rate: int) -> list[float | None]:
+        # One second at the rate first, not recorded: the connections a rate needs are opened
+        # then, not inside the measured window. Then enough requests for a p99 of 400 or more.
+        count = rate + max(LADDER_SAMPLES, int(rate * seconds))
+        start = time.perf_counter()
+
+        async def fire(i: int) -> float | None:
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            return await one(session, who, i)
+
+        return (await asyncio.gather(*(fire(i) for i in range(count))))[rate:]
+
+    async def run() -> dict[int, dict[str, dict[str, float]]]:
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for rate in tqdm(RATES, desc="rate ladder", unit="rate"):
+                direct_run = await at_rate(session, "direct", rate)
+                direct = [t for t in direct_run if t is not None]
+                base = percentile(direct, 99)
+                if len(direct) < len(direct_run) or base > HARNESS_LIMIT_S:
+                    # The client and the emulators (one core) cannot carry this rate themselves:
+                    # what a router would add is not measurable here.
+                    print(f"rate ladder stops at {rate} req/s: the direct path saturates")
+                    break
+                got = {who: await at_rate(session, who, rate) for who in targets}
+                out[rate] = {}
+                for who in targets:
+                    ok = [t for t in got[who] if t is not None]
+                    out[rate][who] = {
+                        "p99_ms": round(percentile(ok, 99) * 1000, 3),
+                        "direct_p99_ms": round(base * 1000, 3),
+                        "overhead_p99_ms": round((percentile(ok, 99) - base) * 1000, 3),
+                        "errors": len(got[who]) - len(ok),
+                    }
+        return out
+
+    if CPUS[1]:
+        os.sched_setaffinity(0, {int(CPUS[1])})
+    try:
+        return asyncio.run(run())
+    finally:
+        if CPUS[1]:
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+def measure(
+    quick: bool, duration_s: float | None, seed: int, peers: bool, part: str = "all"
+) -> dict[str, Any]:
     router = vllm_router() if peers else None
-    cfg = DemoConfig(duration_s=duration_s or (20.0 if quick else 90.0), seed=seed)
-    goodput = measure_goodput(
-        cfg, QUICK_OURS if quick else OURS, QUICK_THEIRS if quick else THEIRS, router
-    )
-    latency = measure_overhead(60 if quick else 300, router)
-    direct = latency["direct"]
-    for row in goodput["rows"]:
-        if row["policy"] == OVERHEAD_POLICY[row["router"]] and row["router"] in latency:
-            mine = latency[row["router"]]
-            row["overhead_p50_ms"] = round(mine["p50_ms"] - direct["p50_ms"], 3)
-            row["overhead_p99_ms"] = round(mine["p99_ms"] - direct["p99_ms"], 3)
-    return {
-        "vllm_router": VLLM_ROUTER if router is not None else None,
-        "goodput": goodput,
-        "latency_ms": latency,
-        "rows": goodput["rows"],
-    }
+    doc: dict[str, Any] = {"vllm_router": VLLM_ROUTER if router is not None else None, "rows": []}
+    if part in ("goodput", "all"):
+        cfg = DemoConfig(duration_s=duration_s or (20.0 if quick else 90.0), seed=seed)
+        ours, theirs = (QUICK_OURS, QUICK_THEIRS) if quick else (OURS, THEIRS)
+        doc["goodput"] = measure_goodput(cfg, ours, theirs, router)
+        doc["rows"] = doc["goodput"]["rows"]
+    if part in ("overhead", "all"):
+        latency = measure_overhead(60 if quick else 300, 2.0 if quick else 5.0, router)
+        doc["latency_ms"] = latency
+        direct = latency["direct"]
+        for row in doc["rows"]:
+            if row["policy"] == OVERHEAD_POLICY[row["router"]] and row["router"] in latency:
+                mine = latency[row["router"]]
+                row["overhead_p50_ms"] = round(mine["p50_ms"] - direct["p50_ms"], 3)
+                row["overhead_p99_ms"] = round(mine["p99_ms"] - direct["p99_ms"], 3)
+                row["sustained_rps"] = mine["sustained_rps"]
+    return doc
 
 
 def render(doc: dict[str, Any]) -> str:
     res = doc["peers"]
-    g = res["goodput"]
+    g = res.get("goodput")
     rows = [
         {
             **r,
@@ -343,15 +430,39 @@ def render(doc: dict[str, Any]) -> str:
     ]
     cols = ["router", "policy", "goodput", "95% interval", "TTFT p50/p99 s", "TPOT p50/p99 ms",
             "errors", "requests per decode pod", "overhead p50/p99 ms"]  # fmt: skip
-    lat = [{"path": who, **v} for who, v in res["latency_ms"].items()]
-    return (
-        f"### Goodput ({g['pool']}; {g['requests']} requests at {g['rate_rps']} req/s over "
-        f"{g['duration_s']:.0f} s; SLO TTFT {g['slo']['ttft_s']:.2f} s, TPOT "
-        f"{g['slo']['tpot_s'] * 1000:.0f} ms; vllm-router {res['vllm_router']})\n\n"
-        + benchutil.md_table(rows, cols)
-        + "\n### The same request, one at a time, directly and through each router (ms)\n\n"
-        + benchutil.md_table(lat, ["path", "p50_ms", "p99_ms"])
-    )
+    out = ""
+    if g:
+        out += (
+            f"### Goodput ({g['pool']}; {g['requests']} requests at {g['rate_rps']} req/s over "
+            f"{g['duration_s']:.0f} s; SLO TTFT {g['slo']['ttft_s']:.2f} s, TPOT "
+            f"{g['slo']['tpot_s'] * 1000:.0f} ms; vllm-router {res['vllm_router']})\n\n"
+            + benchutil.md_table(rows, cols)
+        )
+    if "latency_ms" in res:
+        lat = res["latency_ms"]
+        paths = [
+            {"path": who, "p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"]} for who, v in lat.items()
+        ]
+        ladder = [
+            {"router": who, **step, "sustained": v["sustained_rps"]}
+            for who, v in lat.items()
+            if who != "direct"
+            for step in v["rate_ladder"]
+        ]
+        out += (
+            "\n### The same request, one at a time, directly and through each router (ms)\n\n"
+            + benchutil.md_table(paths, ["path", "p50_ms", "p99_ms"])
+            + "\n### Open-loop rate ladder: p99 overhead over the direct p99 at the same rate\n\n"
+            + benchutil.md_table(
+                ladder, ["router", "rps", "p99_ms", "direct_p99_ms", "overhead_p99_ms", "errors"]
+            )
+            + "".join(
+                f"\n{who}: sustains {v['sustained_rps']} req/s with p99 overhead under 5 ms\n"
+                for who, v in lat.items()
+                if who != "direct"
+            )
+        )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -360,12 +471,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, help="seconds of trace (default 90; quick 20)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
+    ap.add_argument("--part", choices=("goodput", "overhead", "all"), default="all")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.duration is not None and args.duration <= 0:
         ap.error(f"--duration must be positive, got {args.duration}")
+    peers = not args.no_peers
     benchutil.measure_and_report(
-        lambda: {"peers": measure(args.quick, args.duration, args.seed, not args.no_peers)},
+        lambda: {"peers": measure(args.quick, args.duration, args.seed, peers, args.part)},
         render,
         args.json,
     )
