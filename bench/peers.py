@@ -48,9 +48,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import yaml
@@ -87,6 +87,7 @@ RATES = (25, 50, 100, 200, 400, 800)  # req/s, the open-loop ladder of the overh
 LADDER_SAMPLES = 400  # requests per rung at least, so its p99 rests on four
 HARNESS_LIMIT_S = 0.05  # a direct p99 above this: the client's own core is saturated
 MODEL = "bench/model"
+T = TypeVar("T")
 A40 = builtin_profile("a40-llama3-8b")
 CPUS = ("0", "1") if (os.cpu_count() or 1) >= 2 else ("", "")  # routers, everything else
 
@@ -243,6 +244,17 @@ def start_pair_sidecar(
     return url
 
 
+def on_client_cpu(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """`asyncio.run(main())` with this process on the client's CPU (1), then on every CPU again."""
+    if CPUS[1]:
+        os.sched_setaffinity(0, {int(CPUS[1])})
+    try:
+        return asyncio.run(main())
+    finally:
+        if CPUS[1]:
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
 def interleaved_latencies(
     targets: dict[str, str], pair: dict[str, str], body: dict[str, Any], n: int, desc: str
 ) -> dict[str, list[float]]:
@@ -274,13 +286,7 @@ def interleaved_latencies(
                         times[who].append(await one(session, who, block * n + i))
         return times
 
-    if CPUS[1]:
-        os.sched_setaffinity(0, {int(CPUS[1])})
-    try:
-        return asyncio.run(run())
-    finally:
-        if CPUS[1]:
-            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return on_client_cpu(run)
 
 
 def measure_overhead(n: int, rate_seconds: float, router: Path | None) -> dict[str, dict[str, Any]]:
@@ -378,13 +384,7 @@ def _rate_ladder(
                     }
         return out
 
-    if CPUS[1]:
-        os.sched_setaffinity(0, {int(CPUS[1])})
-    try:
-        return asyncio.run(run())
-    finally:
-        if CPUS[1]:
-            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return on_client_cpu(run)
 
 
 def measure(
