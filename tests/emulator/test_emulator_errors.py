@@ -196,7 +196,9 @@ def test_queue_limit_is_503(start_emulator: Any, http: Http) -> None:
     statuses: list[int] = []
 
     def call() -> None:
-        statuses.append(http.post(emu.url + COMPLETIONS, {"prompt": "x", "max_tokens": 4}).status)
+        # 40 steps of 50 ms: each state lasts 2 s, which a loaded machine's polling still sees
+        # (at 4 tokens CI once missed the first request's 0.2 s of running).
+        statuses.append(http.post(emu.url + COMPLETIONS, {"prompt": "x", "max_tokens": 40}).status)
 
     threads = [threading.Thread(target=call) for _ in range(2)]
     for i, t in enumerate(threads):

@@ -329,7 +329,7 @@ class PDPair:
         # A slow leg may have outlived P's 30 s lease; let the expiry (and its counters) land
         # before taking the baseline that test_pd_metrics compares with.
         time.sleep(max(0.0, 35 - slowest) + 2 if slowest > 10 else 1)
-        self._settle_expiries()
+        self.settle_expiries()
         self.warmup = {
             "first_plain_requests_s": first_requests_s,
             "handoffs": attempts,
@@ -364,7 +364,7 @@ class PDPair:
         self.kv_held_s.append(held)
         return held
 
-    def _settle_expiries(self, timeout_s: float = 30.0) -> None:
+    def settle_expiries(self, timeout_s: float = 30.0) -> None:
         """A warm-up leg that outlived P's lease leaves P an expired request; D's late read of it
         reaches P as a notification whenever P's loop gets to it, seconds later (seen in CI: 8 s
         after the leg returned, after the baseline was taken, which then failed test_pd_metrics).

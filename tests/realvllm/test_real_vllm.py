@@ -953,6 +953,13 @@ def test_pd_metrics(pd_pair: Any, wire: Any) -> None:
     ]
     held = ", ".join(f"{t:.2f}" for t in pd_pair.kv_held_s)
     print(f"\n[realvllm] P held each handoff's KV blocks at most (s): {held}")
+    # An expired lease whose blocks D did read sends P a late "done reading" notification when
+    # P's loop gets to it: wait for those, so that every expiry is either matched or lost.
+    pd_pair.settle_expiries()
+    base_p = pd_pair.warmup["nixl_counters_after"]["prefill"]
+    p_fams = metrics(pd_pair.prefill.url)
+    expired, late = (p_fams[n].value(n) - base_p[n] for n in EXPIRY_COUNTERS)
+    slowest = max(pd_pair.kv_held_s, default=0.0)
     summaries = {}
     for role, engine in (("prefill", pd_pair.prefill), ("decode", pd_pair.decode)):
         fams = metrics(engine.url)
@@ -963,15 +970,20 @@ def test_pd_metrics(pd_pair: Any, wire: Any) -> None:
             # Baseline after the warm-up (whose handshake may have been slow or failed).
             base = pd_pair.warmup["nixl_counters_after"][role][name]
             if name in EXPIRY_COUNTERS and fam.value(name) > base:
-                # Known 0.32.0 behaviour (README "Surprises"): on a loaded CPU a D leg can
-                # wait for P's loop until P's 30 s lease expires. Tolerated only when P really
-                # held a handoff's blocks that long (`record_handoff`); D then answered 200
-                # from released blocks.
-                slowest = max(pd_pair.kv_held_s, default=0.0)
-                assert slowest >= 25, f"{role}: {name} rose, no blocks held 25 s ({slowest:.1f}s)"
+                # Known 0.32.0 behaviour (README "Surprises"): on a loaded CPU P's 30 s lease can
+                # run out before D's read, or before D's "done reading" notification reaches
+                # P's loop (seen: D read within 11 s, its notification reached P 31 s after the
+                # prefill). Tolerated when every expired lease's blocks were read by D (a late
+                # notification each) or P held a handoff's blocks 25 s (`record_handoff`); an
+                # expiry D never read is KV lost, and fails.
+                read = late >= expired
+                assert read or slowest >= 25, (
+                    f"{role}: {name} rose: {expired:.0f} leases expired, {late:.0f} read late, "
+                    f"no blocks held 25 s ({slowest:.1f}s)"
+                )
                 warnings.warn(
-                    f"{role}: {name} {base} -> {fam.value(name)}: P held a handoff's blocks "
-                    f"{slowest:.1f}s and the KV lease expired",
+                    f"{role}: {name} {base} -> {fam.value(name)}: {expired:.0f} KV leases "
+                    f"expired ({late:.0f} read by D late; longest hold {slowest:.1f}s)",
                     stacklevel=1,
                 )
                 continue
