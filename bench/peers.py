@@ -100,20 +100,17 @@ def _successes(url: str) -> float:
 
 
 def _row(
-    router: str, policy: str, report: LoadReport, slo: SLOClass, served: dict[str, int], seed: int
+    router: str, policy: str, report: LoadReport, served: dict[str, int], seed: int
 ) -> dict[str, Any]:
-    met = [r.ok and slo.met(r.ttft_s, r.tpot_s) for r in report.results]
+    met = [report.met(r) for r in report.results]
     summary = report.summary()
-    ok = [r for r in report.results if r.ok]
     return {
         "router": router,
         "policy": policy,
-        "requests": len(met),
-        "goodput": round(sum(met) / len(met), 4),
+        "requests": summary["requests"],
+        "goodput": round(summary["goodput"], 4),
         "goodput_ci": [round(x, 4) for x in bootstrap_share_interval(met, seed)],
-        "ttft_p50_s": round(statistics.median(r.ttft_s for r in ok), 4) if ok else None,
-        "ttft_p99_s": round(summary["ttft_p99_s"], 4),
-        "tpot_p50_s": round(statistics.median(r.tpot_s for r in ok), 4) if ok else None,
+        **{key: round(summary[key], 4) for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s")},
         "tpot_p99_s": round(summary["tpot_p99_s"], 4),
         "errors": summary["errors"],
         "served_by_pod": served,
@@ -151,7 +148,7 @@ def measure_goodput(
                 report = _through_vllm_router(router, tmp, members, policy, trace, slo)
             wait_idle(list(urls.values()))
             served = {n: int(_successes(urls[n]) - before[n]) for n in decode}
-            rows.append(_row(who, policy, report, slo, served, cfg.seed))
+            rows.append(_row(who, policy, report, served, cfg.seed))
     return {
         "pool": "1 prefill + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated",
         "rate_rps": round(rate, 3),
@@ -255,6 +252,27 @@ def on_client_cpu(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
+async def timed_request(
+    session: aiohttp.ClientSession,
+    targets: dict[str, str],
+    pair: dict[str, str],
+    body: dict[str, Any],
+    who: str,
+    request_id: str,
+) -> float:
+    """Seconds for `body` through router `who` of `targets`, or as the two legs straight to
+    `pair` when `who` is ``"direct"`` (not streamed); an answer other than 200 raises."""
+    t0 = time.perf_counter()
+    if who == "direct":
+        direct = {**body, "stream": False}
+        await benchutil.two_legs(session, pair["p0"], pair["d0"], direct, request_id)
+    else:
+        async with session.post(f"{targets[who]}/v1/completions", json=body) as r:
+            assert r.status == 200, (who, r.status)
+            await r.read()
+    return time.perf_counter() - t0
+
+
 def interleaved_latencies(
     targets: dict[str, str], pair: dict[str, str], body: dict[str, Any], n: int, desc: str
 ) -> dict[str, list[float]]:
@@ -264,15 +282,7 @@ def interleaved_latencies(
     blocks, so drift hits every path alike."""
 
     async def one(session: aiohttp.ClientSession, who: str, i: int) -> float:
-        t0 = time.perf_counter()
-        if who == "direct":
-            direct = {**body, "stream": False}
-            await benchutil.two_legs(session, pair["p0"], pair["d0"], direct, f"direct-{i}")
-        else:
-            async with session.post(f"{targets[who]}/v1/completions", json=body) as r:
-                assert r.status == 200, (who, r.status)
-                await r.read()
-        return time.perf_counter() - t0
+        return await timed_request(session, targets, pair, body, who, f"direct-{i}")
 
     async def run() -> dict[str, list[float]]:
         times: dict[str, list[float]] = {who: [] for who in ("direct", *targets)}
@@ -334,18 +344,10 @@ def _rate_ladder(
     router its p99 overhead over the direct p99 at the same rate, and its errors."""
 
     async def one(session: aiohttp.ClientSession, who: str, i: int) -> float | None:
-        t0 = time.perf_counter()
         try:
-            if who == "direct":
-                await benchutil.two_legs(session, pair["p0"], pair["d0"], body, f"rate-{i}")
-            else:
-                async with session.post(f"{targets[who]}/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        return None
-                    await r.read()
+            return await timed_request(session, targets, pair, body, who, f"rate-{i}")
         except (TimeoutError, aiohttp.ClientError, AssertionError):
-            return None
-        return time.perf_counter() - t0
+            return None  # counted as an error of that rung
 
     async def at_rate(session: aiohttp.ClientSession, who: str, rate: int) -> list[float | None]:
         # One second at the rate first, not recorded: the connections a rate needs are opened

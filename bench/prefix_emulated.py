@@ -264,7 +264,7 @@ def run_config(
 
 
 def summarize(label: str, report: LoadReport, hit_share: float, seed: int) -> dict[str, Any]:
-    met = [r.ok and SLO.met(r.ttft_s, r.tpot_s) for r in report.results]
+    met = [report.met(r) for r in report.results]
     n = len(met)
     ttfts = sorted(r.ttft_s for r in report.results if r.ok)
     return {

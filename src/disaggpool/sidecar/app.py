@@ -63,9 +63,7 @@ class RunningSidecar:
         its connection, so Kubernetes takes the pod out of the Service's endpoints before it
         stops listening; then `close` finishes the requests in flight."""
         self.service.draining = True
-        status = health_status(self.service)
-        for name in ("", "disaggpool.router.v1.Router"):
-            await self._health.set(name, status)
+        await _publish_health(self._health, self.service)
         await asyncio.sleep(self.service.config.shutdown_delay_s)
         await self.close()
 
@@ -112,9 +110,7 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
 
     async def keep_health() -> None:
         while True:
-            status = health_status(service)
-            await health_servicer.set("", status)
-            await health_servicer.set("disaggpool.router.v1.Router", status)
+            await _publish_health(health_servicer, service)
             await asyncio.sleep(config.scrape_interval_s)
 
     health_task = asyncio.get_running_loop().create_task(keep_health())
@@ -139,6 +135,13 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         health_servicer,
         pool_writer,
     )
+
+
+async def _publish_health(servicer: health.aio.HealthServicer, service: RoutingService) -> None:
+    """The gRPC health of the server and of the router service, from `health_status`."""
+    status = health_status(service)
+    for name in ("", "disaggpool.router.v1.Router"):
+        await servicer.set(name, status)
 
 
 def _pool_writer(
