@@ -107,6 +107,9 @@ def test_static_members_strip_trailing_slash() -> None:
         ({"colour": "blue"}, "colour"),
         ({"policy": "least_loaded", "priority_scheduling": True}, "priority_scheduling"),
         ({"priority_scheduling": "yes"}, "priority_scheduling"),
+        ({"shutdown_delay_s": -1}, "shutdown_delay_s"),
+        ({"shutdown_delay_s": "5s"}, "shutdown_delay_s"),
+        ({"shutdown_timeout_s": 0}, "shutdown_timeout_s"),
     ],
 )
 def test_bad_config_names_the_field(patch: dict[str, Any], field: str) -> None:
