@@ -2,7 +2,8 @@
 
 Goodput
 -------
-The demo's pool (`disaggpool.demo`): 1 prefill + 3 decode emulator processes of Llama-3-8B on an
+A fixed pool of the demo's boards (`disaggpool.demo`, `DECODE_SPEEDS`; the demo itself now
+places its boards by the split search): 1 prefill + 3 decode emulator processes of Llama-3-8B on an
 A40, the decode boards at 1.0x, 0.55x and 1.25x speed, timed by hidden true profiles; every pod
 calibrated by the probe (`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
 trace (Azure 2023 conversation lengths, Gamma CV 3 arrivals) at the rate where round-robin
@@ -62,6 +63,7 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.stats import bootstrap_share_interval, percentile
 from disaggpool.demo import (
+    DECODE_SPEEDS,
     DemoConfig,
     demo_trace,
     free_port,
@@ -123,6 +125,7 @@ def _row(
 def measure_goodput(
     cfg: DemoConfig, ours: Sequence[str], theirs: Sequence[str], router: Path | None
 ) -> dict[str, Any]:
+    assert cfg.prefill_speeds is not None and cfg.decode_speeds is not None  # a fixed pool
     pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
     base, slo = demo_trace(cfg.seed, cfg.trace)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -395,7 +398,12 @@ def measure(
     router = vllm_router() if peers else None
     doc: dict[str, Any] = {"vllm_router": VLLM_ROUTER if router is not None else None, "rows": []}
     if part in ("goodput", "all"):
-        cfg = DemoConfig(duration_s=duration_s or (20.0 if quick else 90.0), seed=seed)
+        cfg = DemoConfig(
+            duration_s=duration_s or (20.0 if quick else 90.0),
+            seed=seed,
+            prefill_speeds=(1.0,),
+            decode_speeds=DECODE_SPEEDS,
+        )
         ours, theirs = (QUICK_OURS, QUICK_THEIRS) if quick else (OURS, THEIRS)
         doc["goodput"] = measure_goodput(cfg, ours, theirs, router)
         doc["rows"] = doc["goodput"]["rows"]

@@ -25,6 +25,7 @@ from disaggpool.demo import (
     config_from_args,
     demo_trace,
     operating_rate,
+    placed_pool,
     register,
     reusable_share,
     run_demo,
@@ -77,9 +78,12 @@ def test_true_profiles_have_the_configured_speeds() -> None:
     "changes",
     [
         {"sim_seeds": 1},
-        {"decode_speeds": ()},
-        {"decode_speeds": (1.0, 0.0)},
-        {"prefill_speeds": ()},
+        {"decode_speeds": (), "prefill_speeds": (1.0,)},
+        {"decode_speeds": (1.0, 0.0), "prefill_speeds": (1.0,)},
+        {"prefill_speeds": (), "decode_speeds": (1.0,)},
+        {"decode_speeds": (1.0,)},  # a fixed pool names both roles
+        {"boards": (1.0,)},
+        {"boards": (1.0, 0.0)},
         {"trace": "sharegpt"},
     ],
 )
@@ -129,6 +133,24 @@ def test_operating_rate_is_round_robins_target_point_on_the_true_pool() -> None:
     )
 
 
+def test_the_demo_runs_the_placement_that_carries_most_at_round_robins_point() -> None:
+    """The default pool is placed as the paper run places its split: of every assignment of the
+    four boards, the one with the highest rate at round-robin's 0.85 point, and the trace is at
+    that rate."""
+    cfg = DemoConfig(duration_s=20.0)
+    base, slo = demo_trace(seed=0)
+    pods, rate, trace, searched = placed_pool(cfg, base, slo)
+    assert len(searched) == len(cfg.placements) == 10
+    assert rate == pytest.approx(max(searched.values()), abs=1e-3)
+    roles = [role for role, _ in pods.values()]
+    assert len(roles) == len(cfg.boards) and {"prefill", "decode"} <= set(roles)
+    # The rate is round-robin's point on the chosen pool, and the trace is at it.
+    assert operating_rate(pods, base, slo, 20.0, seed=0) == (rate, trace)
+    # A fixed pool is not searched.
+    fixed = DemoConfig(duration_s=20.0, prefill_speeds=(1.0,), decode_speeds=(1.0, 0.55, 1.25))
+    assert len(placed_pool(fixed, base, slo)[3]) == 1
+
+
 def test_messages_drop_progress_bars() -> None:
     stderr = (
         "calibrate: decode:  25%|██▌       | 2/8 [00:01<00:04,  1.46it/s]   \x1b[A\x1b[A"
@@ -146,7 +168,12 @@ def test_messages_drop_progress_bars() -> None:
 @pytest.mark.timeout(400)  # ~70 s alone; the probe and the replays run in real time
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = DemoConfig(
-        duration_s=4.0, budget_s=12.0, policies=POLICIES, sim_seeds=2, decode_speeds=DECODE_SPEEDS
+        duration_s=4.0,
+        budget_s=12.0,
+        policies=POLICIES,
+        sim_seeds=2,
+        prefill_speeds=(1.0,),
+        decode_speeds=DECODE_SPEEDS,
     )
     out = tmp_path / "demo.json"
     result = run_demo(cfg, str(out))
@@ -179,6 +206,12 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert row["goodput_simulated_sd"] >= 0.0
         assert row["ttft_p99_s"] > 0 and row["ttft_p99_s_simulated"] > 0
         assert row["tpot_p99_s"] > 0 and row["tpot_p99_s_simulated"] > 0
+    # The first policy against each other one, paired request by request on the same trace.
+    first, *others = result["policies"]
+    assert first["vs_first_ci95"] is None
+    for row in others:
+        lo, hi = row["vs_first_ci95"]
+        assert -1.0 <= lo <= hi <= 1.0
     rr = next(r for r in result["policies"] if r["policy"] == "round_robin")["served_by_pod"]
     assert max(rr.values()) - min(rr.values()) <= 1  # round-robin alternates the decode pods
 

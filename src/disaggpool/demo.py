@@ -1,10 +1,16 @@
 """`disaggpool demo`: the whole product on one machine, no cluster, no GPU, a few minutes.
 
-1. **Pool.** One prefill and three decode emulators (`disaggpool emulate`, each its own process),
-   timed by hidden *true* profiles the router never sees: the built-in A40 Llama-3-8B profile,
-   with the decode boards at different speeds (1.0, 0.55 and 1.25: a throttled board and a
-   faster one), 64 sequences each, prefix caching off (every policy replays the same prompts on
-   the same pods; cached, the later replays would prefill nothing).
+1. **Pool.** Four emulators (`disaggpool emulate`, each its own process) timed by hidden *true*
+   profiles the router never sees: the built-in A40 Llama-3-8B profile on boards at different
+   speeds (`BOARDS`: 1.0, 1.0, 0.55 and 1.25, two nominal boards, a throttled one and a faster
+   one), 64 sequences each, prefix caching off (every policy replays the same prompts on the same
+   pods; cached, the later replays would prefill nothing). Which boards prefill and which decode
+   is chosen as the paper run chooses its split (`placed_pool`, `sim.placement`): for every
+   assignment of the boards to the two roles, the simulator finds the rate at which round-robin
+   attains 0.85 goodput on the demo's trace, and the assignment carrying the most traffic runs
+   (ties to more decode pods). It is chosen on the true profiles before any pod starts, without
+   looking at any other policy; a prefill-bound pool, where decode routing can hardly matter,
+   carries less and is not chosen. `DemoConfig.prefill_speeds`/`decode_speeds` fix a pool instead.
    With `--trace mooncake`: two prefill pods (1.0 and 1.6) and two decode pods (1.0 and 0.55),
    prefix caching on as in vLLM, every pod's cache emptied between policies (vLLM's
    `POST /reset_prefix_cache`, the emulators started with `VLLM_SERVER_DEV_MODE=1`), and every
@@ -17,20 +23,24 @@
    (its own arrivals and prefix blocks; prompts clipped to 7,680 tokens, outputs to 64);
    its SLO class is derived from unloaded latency (`sim.capacity.slo_targets`: TTFT x4, TPOT x2
    of the p90 request on the nominal board), and its rate is the one at which round-robin
-   attains 0.85 goodput in the simulator (`sim.operating_point`, the search `sim paper` uses):
-   the regime where routing decisions matter, chosen without looking at any other policy.
+   attains 0.85 goodput on the chosen pool in the simulator (`sim.operating_point`, the search
+   `sim paper` uses): the regime where routing decisions matter.
 4. **Replay.** For each policy a fresh sidecar process (`disaggpool sidecar`) fronts the pool and
    `loadgen.replay` sends the trace through its front door.
 5. **Prediction.** The simulator runs the same trace, the same policies, the true profiles as the
    engines' timing and the fitted ones as the router's belief, with `DemoConfig.sim_seeds` seeds
    of the engines' step jitter; the table puts the mean (and its spread) next to the
-   measurement. On a bursty trace of about a hundred requests that spread is several goodput
-   points for the baselines (a burst landing on the slow board or not), so a single measured run
-   can only agree with the simulator within that noise; `--duration 120` narrows it.
+   measurement. On a bursty trace of a few hundred requests that spread is a point or two,
+   so a single measured run can only agree with the simulator within that noise.
+6. **Told apart?** Each measured goodput comes with its 95% bootstrap interval over requests,
+   and the first policy (calibrated) is compared with each other one request by request on the
+   same trace (`core.stats.bootstrap_paired_difference_interval`); the output says which
+   differences this run cannot tell from 0. `--duration 120` narrows them.
 
-`--json FILE` writes ``{"policies": [{"policy", "goodput_measured", "goodput_simulated",
-"requests", "errors", "ttft_p99_s", "tpot_p99_s", "cached_share", ...}], "setup": {...}}``: the
-setup holds the rate, the trace, the SLO class, and per pod its true and its fitted speed;
+`--json FILE` writes ``{"policies": [{"policy", "goodput_measured", "goodput_ci95",
+"vs_first_ci95", "goodput_simulated", "requests", "errors", "ttft_p99_s", "tpot_p99_s",
+"cached_share", ...}], "setup": {...}}``: the setup holds the rate, the placements searched
+(`placements_rps`), the trace, the SLO class, and per pod its true and its fitted speed;
 `cached_share` is the share of prompt tokens the prefill pods found cached during the policy's
 replay (`vllm:prefix_cache_hits` / `_queries`; null with prefix caching off), next to the
 simulator's (`cached_share_simulated`).
@@ -46,6 +56,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -66,7 +77,7 @@ from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import default_options
 from disaggpool.core.prefix_index import leading_hit_tokens
 from disaggpool.core.profile import CalibrationProfile
-from disaggpool.core.stats import bootstrap_share_interval
+from disaggpool.core.stats import bootstrap_paired_difference_interval, bootstrap_share_interval
 from disaggpool.formats.embedded import AZURE_2023_FILES, embedded_trace, read_embedded_trace
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
@@ -74,6 +85,7 @@ from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
+from disaggpool.sim.placement import Placement, best_placement, describe, placements
 from disaggpool.sim.runner import RunSpec, execute
 
 __all__ = [
@@ -82,6 +94,7 @@ __all__ = [
     "demo_trace",
     "free_port",
     "operating_rate",
+    "placed_pool",
     "processes",
     "register",
     "reusable_share",
@@ -93,7 +106,10 @@ __all__ = [
 ]
 
 POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
-DECODE_SPEEDS = (1.0, 0.55, 1.25)
+# The demo's four boards, as speeds relative to the A40: two nominal, a throttled one and a
+# faster one. Which of them prefill and which decode is the placement search's choice.
+BOARDS = (1.0, 1.0, 0.55, 1.25)
+DECODE_SPEEDS = (1.0, 0.55, 1.25)  # the decode boards of a fixed 1 + 3 pool (the peers bench)
 TRACES = ("azure", "mooncake")
 # --trace mooncake: the pool (prefix placement needs two prefill pods, one faster) and the
 # policies (the cache-blind baselines and two peers' prefix rules beside ours).
@@ -119,23 +135,36 @@ class DemoConfig:
     # Simulator runs per policy (seeds of the engines' step jitter) behind the predicted goodput
     # and its spread; at least 2. Fewer only make the prediction noisier (the tests use 2).
     sim_seeds: int = SIM_SEEDS
-    # One decode pod per entry, at that speed relative to the A40 (the tests use two pods, so
-    # that calibrating the pool takes less time); the same for prefill pods.
-    decode_speeds: tuple[float, ...] = DECODE_SPEEDS
-    prefill_speeds: tuple[float, ...] = (1.0,)
+    # The boards the placement search assigns to the two roles (`sim.placement`), or, with
+    # both `prefill_speeds` and `decode_speeds` set, a fixed pool: one pod per entry, at that
+    # speed relative to the A40 (the tests use small fixed pools, which calibrate sooner).
+    boards: tuple[float, ...] = BOARDS
+    prefill_speeds: tuple[float, ...] | None = None
+    decode_speeds: tuple[float, ...] | None = None
     trace: str = "azure"  # or "mooncake": prefix caching on, prefix index in every sidecar
 
     def __post_init__(self) -> None:
-        for field in ("decode_speeds", "prefill_speeds"):
+        if (self.prefill_speeds is None) != (self.decode_speeds is None):
+            raise ValueError("a fixed pool needs both prefill_speeds and decode_speeds")
+        for field in ("boards", "decode_speeds", "prefill_speeds"):
             speeds = getattr(self, field)
-            if not speeds or min(speeds) <= 0:
+            if speeds is not None and (not speeds or min(speeds) <= 0):
                 raise ValueError(f"{field} must be positive, got {speeds}")
+        if len(self.boards) < 2:
+            raise ValueError(f"boards: a pool needs at least two, got {self.boards}")
         if self.trace not in TRACES:
             raise ValueError(f"trace must be one of {', '.join(TRACES)}, got {self.trace!r}")
         if self.sim_seeds < 2:
             raise ValueError(
                 f"sim_seeds must be >= 2 (a spread needs two runs), got {self.sim_seeds}"
             )
+
+    @property
+    def placements(self) -> list[Placement]:
+        """The pools to choose from: the fixed one, or every placement of the boards."""
+        if self.prefill_speeds is not None and self.decode_speeds is not None:
+            return [(self.prefill_speeds, self.decode_speeds)]
+        return placements(self.boards)
 
     @property
     def prefix(self) -> bool:
@@ -241,6 +270,20 @@ def simulated_run(
     )
 
 
+def _rate_search(
+    pods: dict[str, tuple[str, CalibrationProfile]],
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+    duration_s: float,
+    seed: int,
+    prefix: bool,
+) -> SearchProblem:
+    """Round-robin's TARGET_GOODPUT point on the first `duration_s` seconds of `trace`, on the
+    true pool `pods`."""
+    run = simulated_run(pods, {}, trace, slo, "round_robin", seed, prefix)
+    return SearchProblem(run, TARGET_GOODPUT, *SEARCH_BRACKET, horizon_s=duration_s)
+
+
 def operating_rate(
     pods: dict[str, tuple[str, CalibrationProfile]],
     trace: Sequence[TraceRequest],
@@ -251,14 +294,30 @@ def operating_rate(
 ) -> tuple[float, list[TraceRequest]]:
     """The highest rate at which round-robin attains TARGET_GOODPUT on the first `duration_s`
     seconds of `trace`, and the trace at that rate (`sim.operating_point`, on the true pool)."""
-    problem = SearchProblem(
-        simulated_run(pods, {}, trace, slo, "round_robin", seed, prefix),
-        TARGET_GOODPUT,
-        *SEARCH_BRACKET,
-        horizon_s=duration_s,
-    )
+    problem = _rate_search(pods, trace, slo, duration_s, seed, prefix)
     (rate,) = operating_rates([problem], steps=SEARCH_STEPS, workers=1)
     return rate, problem.trace_at(rate)
+
+
+def placed_pool(
+    cfg: DemoConfig, trace: Sequence[TraceRequest], slo: SLOClass
+) -> tuple[dict[str, tuple[str, CalibrationProfile]], float, list[TraceRequest], dict[str, float]]:
+    """The pool the demo runs, chosen as the paper run chooses its split: of `cfg.placements`,
+    the one carrying the most traffic at round-robin's TARGET_GOODPUT point in the simulator
+    (`sim.placement`). Returns its pods, that rate, the trace at that rate, and every searched
+    placement's rate (by `placement.describe`)."""
+    options = cfg.placements
+    problems = [
+        _rate_search(true_profiles(d, p), trace, slo, cfg.duration_s, cfg.seed, cfg.prefix)
+        for p, d in options
+    ]
+    # Before any pod starts: the machine's cores are the search's.
+    rates = operating_rates(problems, steps=SEARCH_STEPS, workers=None if len(options) > 1 else 1)
+    best = best_placement(options, rates)
+    prefill, decode = options[best]
+    rate = rates[best]
+    searched = {describe(o): round(r, 3) for o, r in zip(options, rates, strict=True)}
+    return true_profiles(decode, prefill), rate, problems[best].trace_at(rate), searched
 
 
 @contextlib.contextmanager
@@ -405,14 +464,14 @@ def start_calibrated_pool(
 
 def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     exe = [sys.executable, "-m", "disaggpool"]
-    pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
     base_trace, slo = demo_trace(cfg.seed, cfg.trace)
+    if len(cfg.placements) > 1:
+        _say(f"placement search: {len(cfg.placements)} ways to give the boards their roles")
+    pods, rate, trace, searched = placed_pool(cfg, base_trace, slo)
     with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         urls, fitted = start_calibrated_pool(cfg, pods, tmp, procs)
-
-        rate, trace = operating_rate(pods, base_trace, slo, cfg.duration_s, cfg.seed, cfg.prefix)
         _say(
             f"trace: {len(trace)} requests over {cfg.duration_s:.0f} s at {rate:.2f} req/s "
             f"(round-robin's {TARGET_GOODPUT} goodput point); SLO TTFT {slo.ttft_s:.2f} s, "
@@ -420,6 +479,7 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
         )
         prefill_urls = [urls[n] for n, (role, _) in pods.items() if role == "prefill"]
         rows = []
+        met_by_policy: list[list[bool]] = []
         for policy in cfg.policies:
             sims = [
                 execute(simulated_run(pods, fitted, trace, slo, policy, cfg.seed + k, cfg.prefix))
@@ -429,14 +489,15 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
             if cfg.prefix:
                 _reset_caches(list(urls.values()))
             before = _cache_counts(prefill_urls)
-            measured, served = serve_policy(
+            measured, counts = serve_policy(
                 exe, env, tmp, urls, pods, policy, trace, slo, procs, cfg.prefix
             )
             wait_idle(list(urls.values()))
             after = _cache_counts(prefill_urls)
             queries, hits = after[0] - before[0], after[1] - before[1]
             summary = measured.summary()
-            met = [measured.met(r) for r in measured.results]
+            met = [measured.met(r) for r in measured.results]  # in trace order
+            met_by_policy.append(met)
             rows.append(
                 {
                     "policy": policy,
@@ -454,7 +515,8 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                     "tpot_p99_s_simulated": round(
                         statistics.fmean(r["tpot_p99_s"] for r in sims), 4
                     ),
-                    "served_by_pod": served,
+                    "served_by_pod": counts["decode"],
+                    "prefilled_by_pod": counts["prefill"],
                     "cached_share": round(hits / queries, 4) if cfg.prefix and queries else None,
                     "cached_share_simulated": (
                         round(statistics.fmean(r["prefix_hit"] for r in sims), 4)
@@ -463,12 +525,21 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                     ),
                 }
             )
+        for row, met in zip(rows, met_by_policy, strict=True):
+            # The first policy's goodput minus this one's, request by request on the same trace.
+            row["vs_first_ci95"] = (
+                [round(x, 4) for x in bootstrap_paired_difference_interval(
+                    met_by_policy[0], met, cfg.seed)]
+                if row is not rows[0] else None
+            )  # fmt: skip
         result = {
             "policies": rows,
             "setup": {
                 "trace": cfg.trace,
                 "reusable_share": round(reusable_share(trace), 4),
                 "rate_rps": round(rate, 3),
+                # every placement searched -> its rate at round-robin's TARGET_GOODPUT point
+                "placements_rps": searched,
                 "duration_s": cfg.duration_s,
                 "trace_requests": len(trace),
                 "slo": dataclasses.asdict(slo),
@@ -512,10 +583,11 @@ def serve_policy(
     slo: SLOClass,
     procs: list[subprocess.Popen[bytes]],
     prefix_index: bool = False,
-) -> tuple[LoadReport, dict[str, int]]:
+) -> tuple[LoadReport, dict[str, dict[str, int]]]:
     """Replay `trace` through a fresh sidecar running `policy` (keeping its prefix index with
-    `prefix_index`); the report and, per decode pod, how many requests the sidecar sent there
-    (read from its metrics)."""
+    `prefix_index`); the report and, per role and pod, how many requests the sidecar sent there
+    (read from its metrics; under "prefill", "local" counts the prompts the P/D decider had a
+    decode pod prefill itself)."""
     port = free_port()
     config = {
         "policy": policy,
@@ -555,12 +627,15 @@ def serve_policy(
         bar.close()
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             metrics = resp.read().decode()
-        counts: dict[str, int] = {}
-        for sample in promtext.parse(metrics, ["disaggpool_route_decisions_total"]):
-            if sample.labels.get("role") == "decode":
-                pod = sample.labels["pod"]
-                counts[pod] = counts.get(pod, 0) + int(sample.value)
-        return report, dict(sorted(counts.items()))
+        counts: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
+        names = ["disaggpool_route_decisions_total", "disaggpool_local_prefills_total"]
+        for sample in promtext.parse(metrics, names):
+            local = sample.name == "disaggpool_local_prefills_total"
+            role = "prefill" if local else sample.labels.get("role", "")
+            pod = "local" if local else sample.labels["pod"]
+            if role in counts:
+                counts[role][pod] = counts[role].get(pod, 0) + int(sample.value)
+        return report, {role: dict(sorted(c.items())) for role, c in counts.items()}
     finally:
         proc.terminate()
         proc.wait(10)
@@ -575,14 +650,28 @@ def _print_table(result: dict[str, Any]) -> None:
         f"{setup['duration_s']:.0f} s; SLO TTFT <= {setup['slo']['ttft_s']:.2f} s, "
         f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
     )
+    if len(setup["placements_rps"]) > 1:
+        chosen = max(setup["placements_rps"].values())
+        print(
+            "placement: the one carrying the most traffic at round-robin's "
+            f"{TARGET_GOODPUT} goodput point in the simulator, of "
+            + ", ".join(
+                f"{name} {rate:.2f}{' (chosen)' if rate == chosen else ''}"
+                for name, rate in sorted(setup["placements_rps"].items(), key=lambda kv: -kv[1])
+            )
+            + " req/s"
+        )
     cached = setup["trace"] == "mooncake"
+    # With one decode pod, routing decides where each prompt is prefilled: show that instead.
+    one_decode = roles.count("decode") == 1
     head = (f"{'policy':<14}{'goodput':>9}{'95% interval':>15}{'simulated (sd)':>16}{'errors':>8}"
             f"{'TTFT p99':>10}"
             f"{'TPOT p99':>10}{'   cached (sim)' if cached else ''}"
-            "  decode requests per pod")  # fmt: skip
+            f"  {'prefills per pod' if one_decode else 'decode requests per pod'}")  # fmt: skip
     print(head)
     for r in result["policies"]:
-        served = " ".join(f"{k}={v}" for k, v in r["served_by_pod"].items())
+        pools = r["prefilled_by_pod"] if one_decode else r["served_by_pod"]
+        served = " ".join(f"{k}={v}" for k, v in pools.items())
         share = (
             f"{r['cached_share'] or 0.0:>9.3f} ({r['cached_share_simulated']:.3f})"
             if cached
@@ -597,16 +686,19 @@ def _print_table(result: dict[str, Any]) -> None:
             f"{share}  {served}"
         )
     first, *others = result["policies"]
-    tied = [r["policy"] for r in others if _overlap(first["goodput_ci95"], r["goodput_ci95"])]
+    for r in others:
+        lo, hi = r["vs_first_ci95"]
+        gap = first["goodput_measured"] - r["goodput_measured"]
+        print(
+            f"{first['policy']} - {r['policy']}: {100 * gap:+.1f} points "
+            f"(95% interval {100 * lo:+.1f} to {100 * hi:+.1f}, paired over the same requests)"
+        )
+    tied = [r["policy"] for r in others if r["vs_first_ci95"][0] <= 0 <= r["vs_first_ci95"][1]]
     if tied:
         print(
-            f"{first['policy']} is not told apart from {', '.join(tied)} by this run: their 95% "
-            "intervals (bootstrap over requests) overlap; a longer --duration narrows them."
+            f"{first['policy']} is not told apart from {', '.join(tied)} by this run: the 95% "
+            "interval of the difference includes 0; a longer --duration narrows it."
         )
-
-
-def _overlap(a: Sequence[float], b: Sequence[float]) -> bool:
-    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -630,7 +722,14 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _run(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C does, so `processes` stops the emulators and sidecars it started
+    # (Python's default for SIGTERM is to die on the spot and leave them running).
+    signal.signal(signal.SIGTERM, _stop)
     run_demo(config_from_args(args), args.json)
     return 0
 
@@ -643,8 +742,8 @@ def register(sub: Any) -> None:
         "--trace",
         choices=TRACES,
         default="azure",
-        help="azure (default: 1 prefill + 3 decode pods, no prefix caching) or mooncake (2 + 2 "
-        "pods, prefix caching, every sidecar with its prefix index)",
+        help="azure (default: four boards, placed by the split search, no prefix caching) or "
+        "mooncake (2 + 2 pods, prefix caching, every sidecar with its prefix index)",
     )
     p.add_argument(
         "--policies",

@@ -4,11 +4,13 @@ share."""
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 import pytest
 
 from disaggpool.core.stats import (
+    bootstrap_paired_difference_interval,
     bootstrap_share_interval,
     coefficient_of_variation,
     interpolated_quantile,
@@ -60,3 +62,25 @@ def test_bootstrap_share_interval_contains_the_share_and_narrows_with_more_reque
     assert bootstrap_share_interval(few, seed=1) == (lo, hi)  # seeded: the same every run
     assert bootstrap_share_interval([True] * 10, seed=0) == (1.0, 1.0)
     assert all(math.isnan(x) for x in bootstrap_share_interval([], seed=0))
+
+
+def test_paired_difference_tells_apart_what_separate_intervals_cannot() -> None:
+    """Two policies on one trace: b misses 4 more requests in 100 than a, the rest the same.
+    Their separate intervals overlap; the paired interval of the difference excludes 0."""
+    rng = random.Random(3)
+    base = [rng.random() < 0.88 for _ in range(200)]
+    a = list(base)
+    b = list(base)
+    flipped = [i for i, x in enumerate(base) if x][:8]
+    for i in flipped:  # 8 of 200 requests met by a, missed by b: a 4-point gap
+        b[i] = False
+    a_lo, a_hi = bootstrap_share_interval(a, seed=1)
+    b_lo, b_hi = bootstrap_share_interval(b, seed=1)
+    assert a_lo <= b_hi and b_lo <= a_hi  # overlapping
+    lo, hi = bootstrap_paired_difference_interval(a, b, seed=1)
+    assert 0 < lo <= 0.04 <= hi
+    same_lo, same_hi = bootstrap_paired_difference_interval(a, a, seed=1)
+    assert (same_lo, same_hi) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        bootstrap_paired_difference_interval(a, b[:-1], seed=1)
+    assert all(math.isnan(x) for x in bootstrap_paired_difference_interval([], [], seed=0))

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Sequence
 
 __all__ = [
+    "bootstrap_paired_difference_interval",
     "bootstrap_share_interval",
     "coefficient_of_variation",
     "interpolated_quantile",
@@ -68,4 +69,24 @@ def bootstrap_share_interval(
         return (math.nan, math.nan)
     rng = random.Random(seed)
     boots = sorted(sum(flags[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]
+
+
+def bootstrap_paired_difference_interval(
+    a: Sequence[bool], b: Sequence[bool], seed: int, resamples: int = 2000
+) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of share(a) - share(b) where ``a[i]`` and ``b[i]``
+    are the same item under two treatments (one request of one trace under two policies).
+
+    Items are resampled in pairs, so what both runs share (the same bursts, the same long
+    prompts) cancels: two policies replayed on one trace are told apart by an interval that
+    excludes 0, which two overlapping separate intervals cannot say."""
+    if len(a) != len(b):
+        raise ValueError(f"paired flags of unequal length: {len(a)} and {len(b)}")
+    n = len(a)
+    if not n:
+        return (math.nan, math.nan)
+    diff = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
+    rng = random.Random(seed)
+    boots = sorted(sum(diff[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     return boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]

@@ -20,10 +20,10 @@ from disaggpool.core.policies.registry import PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, SimOutcome, Simulation
 from disaggpool.sim.metrics import summarize
 
-__all__ = ["RunSpec", "execute", "run_all", "staged"]
+__all__ = ["RunSpec", "execute", "run_all", "simulate", "staged"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,15 @@ class RunSpec:
 def execute(spec: RunSpec) -> dict[str, Any]:
     """Run one spec and return its JSON row."""
     classes = {c.name: c for c in spec.slo_classes}
+    outcome = simulate(spec)
+    summary = summarize(outcome, classes)
+    return _row(spec, outcome, summary)
+
+
+def simulate(spec: RunSpec) -> SimOutcome:
+    """Run one spec: every request's record and the instances' counters (`execute` summarises
+    them into a row)."""
+    classes = {c.name: c for c in spec.slo_classes}
     default = spec.slo_classes[0].name
     datasheet = None
     if spec.datasheet is not None:
@@ -75,8 +84,10 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         # The switch means both: the engines schedule by priority, the policy sets them.
         scheduling="priority" if spec.options.priority_scheduling else "fcfs",
     )
-    outcome = sim.run(spec.trace)
-    summary = summarize(outcome, classes)
+    return sim.run(spec.trace)
+
+
+def _row(spec: RunSpec, outcome: SimOutcome, summary: dict[str, Any]) -> dict[str, Any]:
     n_prefill = sum(1 for i in spec.instances if i.role == "prefill")
     queries = sum(q for q, _ in outcome.prefix_cache.values())
     hits = sum(h for _, h in outcome.prefix_cache.values())
