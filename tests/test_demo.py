@@ -139,16 +139,17 @@ def test_the_demo_runs_the_placement_that_carries_most_at_round_robins_point() -
     that rate."""
     cfg = DemoConfig(duration_s=20.0)
     base, slo = demo_trace(seed=0)
-    pods, rate, trace, searched = placed_pool(cfg, base, slo)
-    assert len(searched) == len(cfg.placements) == 10
-    assert rate == pytest.approx(max(searched.values()), abs=1e-3)
-    roles = [role for role, _ in pods.values()]
+    placed = placed_pool(cfg, base, slo)
+    assert len(placed.searched) == len(cfg.placements) == 10
+    assert placed.rate == pytest.approx(max(placed.searched.values()), abs=1e-3)
+    assert placed.searched[placed.chosen] == pytest.approx(placed.rate, abs=1e-3)
+    roles = [role for role, _ in placed.pods.values()]
     assert len(roles) == len(cfg.boards) and {"prefill", "decode"} <= set(roles)
     # The rate is round-robin's point on the chosen pool, and the trace is at it.
-    assert operating_rate(pods, base, slo, 20.0, seed=0) == (rate, trace)
+    assert operating_rate(placed.pods, base, slo, 20.0, seed=0) == (placed.rate, placed.trace)
     # A fixed pool is not searched.
     fixed = DemoConfig(duration_s=20.0, prefill_speeds=(1.0,), decode_speeds=(1.0, 0.55, 1.25))
-    assert len(placed_pool(fixed, base, slo)[3]) == 1
+    assert list(placed_pool(fixed, base, slo).searched) == ["1P (1x) + 3D (1x, 0.55x, 1.25x)"]
 
 
 def test_messages_drop_progress_bars() -> None:

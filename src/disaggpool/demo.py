@@ -9,8 +9,9 @@
    assignment of the boards to the two roles, the simulator finds the rate at which round-robin
    attains 0.85 goodput on the demo's trace, and the assignment carrying the most traffic runs
    (ties to more decode pods). It is chosen on the true profiles before any pod starts, without
-   looking at any other policy; a prefill-bound pool, where decode routing can hardly matter,
-   carries less and is not chosen. `DemoConfig.prefill_speeds`/`decode_speeds` fix a pool instead.
+   looking at any other policy. (The demo's former pool, 1 prefill + 3 decode, was prefill-bound:
+   on this trace it carries 2.5 times less.) `DemoConfig.prefill_speeds`/`decode_speeds` fix a
+   pool instead.
    With `--trace mooncake`: two prefill pods (1.0 and 1.6) and two decode pods (1.0 and 0.55),
    prefix caching on as in vLLM, every pod's cache emptied between policies (vLLM's
    `POST /reset_prefix_cache`, the emulators started with `VLLM_SERVER_DEV_MODE=1`), and every
@@ -90,6 +91,7 @@ from disaggpool.sim.runner import RunSpec, execute
 
 __all__ = [
     "DemoConfig",
+    "PlacedPool",
     "config_from_args",
     "demo_trace",
     "free_port",
@@ -299,13 +301,21 @@ def operating_rate(
     return rate, problem.trace_at(rate)
 
 
-def placed_pool(
-    cfg: DemoConfig, trace: Sequence[TraceRequest], slo: SLOClass
-) -> tuple[dict[str, tuple[str, CalibrationProfile]], float, list[TraceRequest], dict[str, float]]:
+@dataclasses.dataclass(frozen=True)
+class PlacedPool:
+    """The pool the demo runs and how it was chosen."""
+
+    pods: dict[str, tuple[str, CalibrationProfile]]
+    rate: float  # round-robin's TARGET_GOODPUT point on it
+    trace: list[TraceRequest]  # the demo's trace at that rate
+    chosen: str  # `placement.describe` of it
+    searched: dict[str, float]  # every placement searched -> its rate
+
+
+def placed_pool(cfg: DemoConfig, trace: Sequence[TraceRequest], slo: SLOClass) -> PlacedPool:
     """The pool the demo runs, chosen as the paper run chooses its split: of `cfg.placements`,
     the one carrying the most traffic at round-robin's TARGET_GOODPUT point in the simulator
-    (`sim.placement`). Returns its pods, that rate, the trace at that rate, and every searched
-    placement's rate (by `placement.describe`)."""
+    (`sim.placement`)."""
     options = cfg.placements
     problems = [
         _rate_search(true_profiles(d, p), trace, slo, cfg.duration_s, cfg.seed, cfg.prefix)
@@ -315,9 +325,13 @@ def placed_pool(
     rates = operating_rates(problems, steps=SEARCH_STEPS, workers=None if len(options) > 1 else 1)
     best = best_placement(options, rates)
     prefill, decode = options[best]
-    rate = rates[best]
-    searched = {describe(o): round(r, 3) for o, r in zip(options, rates, strict=True)}
-    return true_profiles(decode, prefill), rate, problems[best].trace_at(rate), searched
+    return PlacedPool(
+        pods=true_profiles(decode, prefill),
+        rate=rates[best],
+        trace=problems[best].trace_at(rates[best]),
+        chosen=describe(options[best]),
+        searched={describe(o): round(r, 3) for o, r in zip(options, rates, strict=True)},
+    )
 
 
 @contextlib.contextmanager
@@ -467,7 +481,8 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
     base_trace, slo = demo_trace(cfg.seed, cfg.trace)
     if len(cfg.placements) > 1:
         _say(f"placement search: {len(cfg.placements)} ways to give the boards their roles")
-    pods, rate, trace, searched = placed_pool(cfg, base_trace, slo)
+    placed = placed_pool(cfg, base_trace, slo)
+    pods, rate, trace = placed.pods, placed.rate, placed.trace
     with tempfile.TemporaryDirectory(prefix="disaggpool-demo-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -538,8 +553,9 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                 "trace": cfg.trace,
                 "reusable_share": round(reusable_share(trace), 4),
                 "rate_rps": round(rate, 3),
+                "placement": placed.chosen,
                 # every placement searched -> its rate at round-robin's TARGET_GOODPUT point
-                "placements_rps": searched,
+                "placements_rps": placed.searched,
                 "duration_s": cfg.duration_s,
                 "trace_requests": len(trace),
                 "slo": dataclasses.asdict(slo),
@@ -651,12 +667,11 @@ def _print_table(result: dict[str, Any]) -> None:
         f"TPOT <= {setup['slo']['tpot_s'] * 1000:.0f} ms"
     )
     if len(setup["placements_rps"]) > 1:
-        chosen = max(setup["placements_rps"].values())
         print(
             "placement: the one carrying the most traffic at round-robin's "
             f"{TARGET_GOODPUT} goodput point in the simulator, of "
             + ", ".join(
-                f"{name} {rate:.2f}{' (chosen)' if rate == chosen else ''}"
+                f"{name} {rate:.2f}{' (chosen)' if name == setup['placement'] else ''}"
                 for name, rate in sorted(setup["placements_rps"].items(), key=lambda kv: -kv[1])
             )
             + " req/s"
