@@ -36,7 +36,7 @@ predicted - 1. The aim (issue #15): goodput within 5 points, p50 TTFT and TPOT w
 
 Run: ``.venv/bin/python bench/engine_fidelity.py [--quick] [--duration S] [--loads 0.5,1,1.5]
 [--seed N] [--json FILE]`` (after ``bash scripts/vllm_env.sh``); ``--quick`` (two loads of 30
-s, a 20 s probe) takes about 4 minutes, the default (three loads of 120 s, a 45 s probe) about 9.
+s, a 20 s probe) is a smoke run, the default (three loads of 120 s, a 45 s probe) took 7 minutes.
 ``--repredict FILE`` starts no engine: it predicts again for the measurements FILE recorded (its
 profile, request path, seed and rates), to see what a change of the engine model does to the
 agreement with the same measurement.
