@@ -72,13 +72,14 @@ from disaggpool.calibration.probe import ProbeConfig, run_probe
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import PolicyOptions
 from disaggpool.core.profile import CalibrationProfile, profile_from_dict, profile_to_dict
-from disaggpool.core.stats import bootstrap_share_interval, percentile
+from disaggpool.core.stats import bootstrap_share_interval
 from disaggpool.demo import free_port
 from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.metrics import latency_percentiles
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
 from disaggpool.sim.runner import RunSpec, simulate
 
@@ -271,15 +272,6 @@ class RequestPath:
         return self.base_s + self.per_prompt_token_s * prompt_tokens
 
 
-def _latencies(ttft: Sequence[float], tpot: Sequence[float]) -> dict[str, float]:
-    """The percentiles loadgen reports (nearest rank), TPOT over outputs of two tokens or more."""
-    out = {}
-    for name, values in (("ttft", ttft), ("tpot", tpot)):
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_s"] = percentile(values, q)
-    return out
-
-
 def predicted(
     profile: CalibrationProfile,
     trace: Sequence[TraceRequest],
@@ -303,7 +295,7 @@ def predicted(
                 "goodput": met / len(outcome.requests),
                 "late": late,
                 "slow": slow,
-                **_latencies(ttft, tpot),
+                **latency_percentiles(ttft, tpot, digits=None),
             }
         )
     out: dict[str, Any] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
@@ -469,6 +461,22 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _recorded(path: Path) -> dict[str, Any]:
+    """A measurement this bench wrote, or exit naming what is wrong with the file."""
+    try:
+        doc = json.loads(path.read_text())
+        for key in ("profile", "request_path", "seed", "duration_s"):
+            if key not in doc["setup"]:
+                raise KeyError(f"setup.{key}")
+        for i, row in enumerate(doc["loads"]):
+            for key in ("load", "rate_rps", "requests", "measured"):
+                if key not in row:
+                    raise KeyError(f"loads[{i}].{key}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{path}: not a measurement of this bench: {exc}") from None
+    return dict(doc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -482,7 +490,7 @@ def main() -> None:
         help="no engine: predict again for the measurements FILE recorded (after a model change)",
     )
     args = ap.parse_args()
-    doc = json.loads(Path(args.repredict).read_text()) if args.repredict else measure(args)
+    doc = _recorded(Path(args.repredict)) if args.repredict else measure(args)
     doc = compare(doc)
     benchutil.write_json(args.json, doc)
     for row in doc["loads"]:

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -207,6 +213,11 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert row["goodput_simulated_sd"] >= 0.0
         assert row["ttft_p99_s"] > 0 and row["ttft_p99_s_simulated"] > 0
         assert row["tpot_p99_s"] > 0 and row["tpot_p99_s_simulated"] > 0
+    # Every prompt prefilled once: on a prefill pod, or by the decode pod itself ("local").
+    for row in result["policies"]:
+        assert set(row["prefilled_by_pod"]) <= {"prefill-0", "local"}, row
+        assert sum(row["prefilled_by_pod"].values()) == n, row
+    assert list(setup["placements_rps"]) == [setup["placement"]]  # a fixed pool: one placement
     # The first policy against each other one, paired request by request on the same trace.
     first, *others = result["policies"]
     assert first["vs_first_ci95"] is None
@@ -252,3 +263,46 @@ def test_demo_mooncake_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert rows["dynamo_kv"]["cached_share"] > 0.0
     assert rows["dynamo_kv"]["cached_share_simulated"] > 0.0
     assert "mooncake trace" in capsys.readouterr().out
+
+
+def _marked(mark: str) -> list[int]:
+    """The processes whose environment carries `mark` (what the demo started inherits it)."""
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark.encode() in env.read_bytes():
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_stops_what_the_demo_started() -> None:
+    """`disaggpool demo` ended by SIGTERM (a CI timeout, `kill`) stops its emulators, as Ctrl-C
+    does, instead of leaving them running."""
+    mark = f"DISAGGPOOL_DEMO_TEST_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "disaggpool", "demo", "--duration", "4", "--budget-seconds", "12"],
+        env={**os.environ, key: value},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_marked(mark)) < 3 and time.monotonic() < deadline:  # the demo + its pods
+            time.sleep(0.5)
+        assert len(_marked(mark)) >= 3, "the demo started no pods"
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _marked(mark) == []
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)

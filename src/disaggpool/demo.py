@@ -540,13 +540,11 @@ def run_demo(cfg: DemoConfig, json_out: str | None = None) -> dict[str, Any]:
                     ),
                 }
             )
-        for row, met in zip(rows, met_by_policy, strict=True):
-            # The first policy's goodput minus this one's, request by request on the same trace.
-            row["vs_first_ci95"] = (
-                [round(x, 4) for x in bootstrap_paired_difference_interval(
-                    met_by_policy[0], met, cfg.seed)]
-                if row is not rows[0] else None
-            )  # fmt: skip
+        # The first policy's goodput minus each other one's, request by request on the same trace.
+        rows[0]["vs_first_ci95"] = None
+        for row, met in zip(rows[1:], met_by_policy[1:], strict=True):
+            paired = bootstrap_paired_difference_interval(met_by_policy[0], met, cfg.seed)
+            row["vs_first_ci95"] = [round(x, 4) for x in paired]
         result = {
             "policies": rows,
             "setup": {

@@ -64,12 +64,7 @@ def bootstrap_share_interval(
 ) -> tuple[float, float]:
     """The 95% percentile-bootstrap interval of the share of true `flags` (a goodput over its
     requests), resampling them `resamples` times from a generator seeded with `seed`."""
-    n = len(flags)
-    if not n:
-        return (math.nan, math.nan)
-    rng = random.Random(seed)
-    boots = sorted(sum(flags[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    return boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]
+    return _bootstrap_mean_interval([int(f) for f in flags], seed, resamples)
 
 
 def bootstrap_paired_difference_interval(
@@ -83,10 +78,17 @@ def bootstrap_paired_difference_interval(
     excludes 0, which two overlapping separate intervals cannot say."""
     if len(a) != len(b):
         raise ValueError(f"paired flags of unequal length: {len(a)} and {len(b)}")
-    n = len(a)
+    diff = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
+    return _bootstrap_mean_interval(diff, seed, resamples)
+
+
+def _bootstrap_mean_interval(
+    values: Sequence[int], seed: int, resamples: int
+) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the mean of `values` (NaNs when empty)."""
+    n = len(values)
     if not n:
         return (math.nan, math.nan)
-    diff = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
     rng = random.Random(seed)
-    boots = sorted(sum(diff[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    boots = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     return boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]

@@ -20,14 +20,19 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.stats import percentile
 from disaggpool.sim.cluster import SimOutcome
 
-__all__ = ["summarize"]
+__all__ = ["latency_percentiles", "summarize"]
 
 
-def _latency(ttfts: Sequence[float], tpots: Sequence[float]) -> dict[str, float]:
+def latency_percentiles(
+    ttfts: Sequence[float], tpots: Sequence[float], digits: int | None = 6
+) -> dict[str, float]:
+    """``ttft_p50_s`` ... ``tpot_p99_s``: p50, p90 and p99 of each, nearest rank, rounded to
+    `digits` (a run's row) or not at all (None)."""
     out = {}
     for name, values in (("ttft", ttfts), ("tpot", tpots)):
         for q in (50, 90, 99):
-            out[f"{name}_p{q}_s"] = round(percentile(values, q), 6)
+            p = percentile(values, q)
+            out[f"{name}_p{q}_s"] = p if digits is None else round(p, digits)
     return out
 
 
@@ -61,7 +66,7 @@ def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[
         name: {
             "requests": len(b["met"]),
             "goodput": round(sum(b["met"]) / len(b["met"]), 6),
-            **_latency(b["ttft"], b["tpot"]),
+            **latency_percentiles(b["ttft"], b["tpot"]),
         }
         for name, b in sorted(per_class.items())
     }
@@ -72,7 +77,7 @@ def summarize(outcome: SimOutcome, slo_classes: Mapping[str, SLOClass]) -> dict[
         "shed": len(outcome.shed),
         "goodput": round(met_total / n, 6) if n else math.nan,
         "misses": misses,
-        **_latency(ttfts, tpots),
+        **latency_percentiles(ttfts, tpots),
         "classes": classes,
         "preemptions": sum(outcome.preemptions.values()),
         "served": dict(sorted(outcome.served.items())),
