@@ -78,7 +78,7 @@ from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
 from disaggpool.sim import capacity, workload
-from disaggpool.sim.cluster import InstanceSpec
+from disaggpool.sim.cluster import InstanceSpec, SimOutcome
 from disaggpool.sim.metrics import latency_percentiles
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
 from disaggpool.sim.runner import RunSpec, simulate
@@ -273,16 +273,23 @@ class RequestPath:
 
 
 def predicted(
-    profile: CalibrationProfile,
-    trace: Sequence[TraceRequest],
-    slo: SLOClass,
-    path: RequestPath | None = None,
-) -> dict[str, Any]:
+    profile: CalibrationProfile, trace: Sequence[TraceRequest], slo: SLOClass, path: RequestPath
+) -> dict[str, dict[str, Any]]:
     """The simulator's prediction, the mean over SIM_SEEDS jitter seeds (and the goodput's
-    spread); with `path`, every request's TTFT carries the request path as a client sees it."""
+    spread), as the engine model gives it ("engine") and with every request's TTFT carrying the
+    request path, as a client sees it ("with_request_path"); one set of runs for both."""
+    outcomes = [simulate(one_engine_run(profile, trace, slo, s)) for s in range(SIM_SEEDS)]
+    return {
+        "engine": _prediction(outcomes, slo, None),
+        "with_request_path": _prediction(outcomes, slo, path),
+    }
+
+
+def _prediction(
+    outcomes: Sequence[SimOutcome], slo: SLOClass, path: RequestPath | None
+) -> dict[str, Any]:
     runs = []
-    for seed in range(SIM_SEEDS):
-        outcome = simulate(one_engine_run(profile, trace, slo, seed))
+    for outcome in outcomes:
         done = [r for r in outcome.requests if r.finish >= 0]
         extra = [path.seconds(r.prompt_tokens) if path else 0.0 for r in done]
         ttft = [r.ttft + x for r, x in zip(done, extra, strict=True)]
@@ -451,13 +458,8 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
         trace = search.trace_at(row["rate_rps"])
         if len(trace) != row["requests"]:
             raise SystemExit(f"load x{row['load']}: the trace is not the one measured")
-        engine = predicted(profile, trace, slo)
-        client = predicted(profile, trace, slo, path)
-        row["predicted"] = {"engine": engine, "with_request_path": client}
-        row["error"] = {
-            "engine": errors(row["measured"], engine),
-            "with_request_path": errors(row["measured"], client),
-        }
+        row["predicted"] = predicted(profile, trace, slo, path)
+        row["error"] = {k: errors(row["measured"], p) for k, p in row["predicted"].items()}
     return doc
 
 
