@@ -287,6 +287,35 @@ def test_prefill_end_of_prompts_computed_here() -> None:
     assert eng.next_boundary() == pytest.approx(eng.prefill_end() + A40.decode.step(2, 1001 + 600))
 
 
+def test_prompts_computed_here_share_the_step_token_budget() -> None:
+    """vLLM spends at most `max_num_batched_tokens` per step: three 1,500-token prompts waiting
+    together are prefilled one per step (each next one decoding beside the earlier ones), two
+    of 900 in the same step."""
+    assert A40.max_num_batched_tokens == 2048
+    eng = DecodeEngine("d", A40)
+    a, b, c = (EngineRequest(i, 0.0, 1500, 20, "x") for i in range(3))
+    for r in (a, b, c):
+        eng.enqueue(r, 0.0, prefill_here=True)
+    eng.advance(eng.next_wakeup())
+    assert eng.is_running(a) and not eng.is_running(b) and eng.num_waiting == 2
+    prompt = A40.prefill.prompt_time(1500)
+    assert a.first_token == pytest.approx(prompt + A40.decode.step(1, 1500))
+    eng.advance(eng.next_wakeup())
+    assert eng.is_running(b) and not eng.is_running(c) and eng.produced(a) == 1
+    assert b.first_token == pytest.approx(a.first_token + prompt + A40.decode.step(2, 3001))
+    eng.advance(eng.next_wakeup())
+    assert eng.is_running(c) and eng.produced(a) == 2 and eng.produced(b) == 1
+    assert c.first_token == pytest.approx(b.first_token + prompt + A40.decode.step(3, 4503))
+
+    eng = DecodeEngine("d", A40)
+    d, e = (EngineRequest(i, 0.0, 900, 20, "x") for i in range(2))
+    for r in (d, e):
+        eng.enqueue(r, 0.0, prefill_here=True)
+    eng.advance(eng.next_wakeup())
+    assert eng.is_running(d) and eng.is_running(e)
+    assert d.first_token == pytest.approx(2 * A40.prefill.prompt_time(900) + A40.decode.step(2, 1800))
+
+
 def _lone_step_gaps(*, jitter: float, per_step: bool, tokens: int = 200) -> list[float]:
     flat = dataclasses.replace(A40, decode=DecodeModel(0.02, 0.0, 0.0))
     eng = DecodeEngine("d", flat, jitter=jitter, rng=random.Random(11), jitter_per_step=per_step)

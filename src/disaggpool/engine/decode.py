@@ -8,7 +8,10 @@ When the next step's tokens would not fit in the KV capacity, the most recently 
 is preempted and later recomputed (its prompt plus generated tokens prefilled on this instance),
 as vLLM's v1 scheduler does. Under `scheduling="priority"` (vLLM's `--scheduling-policy
 priority`) waiting requests are ordered by `priority`, then arrival, and the victim is the most
-recently admitted of the highest priority value.
+recently admitted of the highest priority value. A prompt computed here (a recompute, or the P/D
+decider's local path) is prefilled in the step it joins, within vLLM's per-step token budget
+(`max_num_batched_tokens`, one token per running sequence first): a burst of such prompts joins
+over several steps (`_joining_now`).
 
 Why analytic: between two changes of the batch, B is constant and K grows by B per step, so the
 time of m steps from step S is ``m * alpha + beta * (m * S + m * (m - 1) / 2)`` with
@@ -433,14 +436,41 @@ class DecodeEngine:
             preempted = True
         return preempted
 
+    def _joining_now(
+        self, ready: list[tuple[float, EngineRequest]]
+    ) -> tuple[list[EngineRequest], list[tuple[float, EngineRequest]]]:
+        """Split the ready requests into those joining at this boundary and those left for a
+        later one, by vLLM's token budget.
+
+        vLLM schedules at most `max_num_batched_tokens` tokens per step: one per running
+        sequence first, then the waiting requests in order, one token for a request whose KV
+        was pulled and the uncached prompt for one prefilled here. A burst of prompts computed
+        here is therefore spread over several steps, the first ones decoding while the later
+        ones prefill. vLLM chunks the prompt that overflows the budget; here it waits whole
+        for the next step, with everything behind it (FCFS). The first prompt of a step always
+        joins, however long: it is prefilled in chunks (`partial_time`).
+        """
+        budget = self.profile.max_num_batched_tokens - self.batch
+        prompt_joined = False
+        for i, (_, req) in enumerate(ready):
+            if not req.recompute:
+                budget -= 1
+                continue
+            new = req.prompt_tokens + req.generated - req.decode_cached_tokens
+            if prompt_joined and new > budget:
+                return [r for _, r in ready[:i]], ready[i:]
+            budget -= new
+            prompt_joined = True
+        return [r for _, r in ready], []
+
     def _join_ready(self, now: float) -> None:
         if not self._ready:
             return
         if self.batch == 0:
             self.t_step = now
-        ready, self._ready = self._ready, []
+        joining, self._ready = self._joining_now(self._ready)
         joined = []
-        for _, req in ready:
+        for req in joining:
             ctx = req.prompt_tokens + req.generated
             self._reserved -= ctx
             if req.recompute:  # the tokens not found in the cache, as a partial prefill
