@@ -16,7 +16,9 @@ events from prefix-caching pods, consistent_hash and sticky_least_loaded a sessi
 trace has neither: bench/prefix_emulated.py runs kv_aware on a Mooncake slice.) Every router
 replays the same trace on the same pods, one after the other, the pods idle in between.
 Per row: goodput with its 95% bootstrap interval over requests, TTFT and TPOT p50/p99, errors,
-and the requests each decode pod served (the pods' own `vllm:request_success_total`).
+the requests each decode pod served (the pods' own `vllm:request_success_total`), and how many
+prompts the decode pods prefilled themselves (the P/D decider's local path: the requests the
+prefill pod did not serve).
 
 Overhead
 --------
@@ -102,7 +104,12 @@ def _successes(url: str) -> float:
 
 
 def _row(
-    router: str, policy: str, report: LoadReport, served: dict[str, int], seed: int
+    router: str,
+    policy: str,
+    report: LoadReport,
+    served: dict[str, int],
+    prefilled_here: int,
+    seed: int,
 ) -> dict[str, Any]:
     met = [report.met(r) for r in report.results]
     summary = report.summary()
@@ -116,6 +123,7 @@ def _row(
         "tpot_p99_s": round(summary["tpot_p99_s"], 4),
         "errors": summary["errors"],
         "served_by_pod": served,
+        "prefilled_by_decode_pods": prefilled_here,
         "overhead_p50_ms": None,
         "overhead_p99_ms": None,
         "sustained_rps": None,
@@ -143,15 +151,18 @@ def measure_goodput(
         runs = [("disaggpool", p) for p in ours]
         runs += [("vllm-router", p) for p in theirs] if router is not None else []
         for who, policy in runs:
-            before = {n: _successes(urls[n]) for n in decode}
+            before = {n: _successes(u) for n, u in urls.items()}
             if who == "disaggpool":
                 report, _ = serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
             else:
                 assert router is not None
                 report = _through_vllm_router(router, tmp, members, policy, trace, slo)
             wait_idle(list(urls.values()))
-            served = {n: int(_successes(urls[n]) - before[n]) for n in decode}
-            rows.append(_row(who, policy, report, served, cfg.seed))
+            served = {n: int(_successes(u) - before[n]) for n, u in urls.items()}
+            by_prefill_pods = sum(v for n, v in served.items() if n not in decode)
+            local = len(trace) - by_prefill_pods
+            decode_served = {n: served[n] for n in decode}
+            rows.append(_row(who, policy, report, decode_served, local, cfg.seed))
     return {
         "pool": "1 prefill + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated",
         "rate_rps": round(rate, 3),
@@ -430,6 +441,7 @@ def render(doc: dict[str, Any]) -> str:
             "TTFT p50/p99 s": f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
             "TPOT p50/p99 ms": f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p99_s'] * 1000:.1f}",
             "requests per decode pod": " / ".join(str(v) for v in r["served_by_pod"].values()),
+            "prefilled on decode pods": r.get("prefilled_by_decode_pods", ""),
             "overhead p50/p99 ms": (
                 f"{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}"
                 if r["overhead_p50_ms"] is not None
@@ -439,7 +451,8 @@ def render(doc: dict[str, Any]) -> str:
         for r in res["rows"]
     ]
     cols = ["router", "policy", "goodput", "95% interval", "TTFT p50/p99 s", "TPOT p50/p99 ms",
-            "errors", "requests per decode pod", "overhead p50/p99 ms"]  # fmt: skip
+            "errors", "requests per decode pod", "prefilled on decode pods",
+            "overhead p50/p99 ms"]  # fmt: skip
     out = ""
     if g:
         out += (
