@@ -313,7 +313,8 @@ def test_prompts_computed_here_share_the_step_token_budget() -> None:
         eng.enqueue(r, 0.0, prefill_here=True)
     eng.advance(eng.next_wakeup())
     assert eng.is_running(d) and eng.is_running(e)
-    assert d.first_token == pytest.approx(2 * A40.prefill.prompt_time(900) + A40.decode.step(2, 1800))
+    both = 2 * A40.prefill.prompt_time(900)
+    assert d.first_token == pytest.approx(both + A40.decode.step(2, 1800))
 
 
 def _lone_step_gaps(*, jitter: float, per_step: bool, tokens: int = 200) -> list[float]:
