@@ -64,16 +64,27 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def proc_stat_ticks() -> dict[str, tuple[int, int]]:
+    """(busy, total) clock ticks since boot from /proc/stat: ``cpu`` for the whole machine,
+    ``cpu0``, ``cpu1`` ... per core; empty where there is no /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name == "cpu" or (name.startswith("cpu") and name[3:].isdigit()):
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+            out[name] = (sum(ticks) - idle, sum(ticks))
+    return out
+
+
 def _proc_stat_busy_s() -> float | None:
     """Busy CPU seconds of the whole machine since boot (all cores), from /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except (OSError, IndexError):
-        return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
-    return busy / os.sysconf("SC_CLK_TCK")
+    machine = proc_stat_ticks().get("cpu")
+    return None if machine is None else machine[0] / os.sysconf("SC_CLK_TCK")
 
 
 class Contention:

@@ -193,23 +193,14 @@ def _counter(url: str, name: str) -> float:
     return promtext.total(promtext.parse(text, [name]), name)
 
 
-def cpu_ticks() -> dict[int, tuple[int, int]]:
-    """Per CPU, (busy, total) clock ticks since boot, from /proc/stat."""
-    out = {}
-    for line in Path("/proc/stat").read_text().splitlines():
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit():
-            ticks = [int(x) for x in fields[:8]]
-            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
-    return out
-
-
-def busy_shares(before: dict[int, tuple[int, int]]) -> dict[str, float]:
-    """Per CPU, the share of the time since `before` it was busy (all processes)."""
-    after = cpu_ticks()
+def busy_shares(before: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Per CPU, the share of the time since `before` (`benchutil.proc_stat_ticks`) it was busy
+    (all processes)."""
+    after = benchutil.proc_stat_ticks()
     return {
-        f"cpu{c}": round((after[c][0] - b[0]) / max(1, after[c][1] - b[1]), 3)
+        c: round((after[c][0] - b[0]) / max(1, after[c][1] - b[1]), 3)
         for c, b in before.items()
+        if c != "cpu"
     }
 
 
@@ -319,7 +310,7 @@ def measured(url: str, trace: Sequence[TraceRequest], slo: SLOClass, seed: int) 
         bar.update(1)
 
     before = {name: _counter(url, name) for name in ENGINE_COUNTERS}
-    ticks = cpu_ticks()
+    ticks = benchutil.proc_stat_ticks()
     report: LoadReport = asyncio.run(
         replay(
             url,
