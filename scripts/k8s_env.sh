@@ -44,6 +44,15 @@ if ! flock -n 9; then
   flock 9
 fi
 
+# The daemonless builder that builds the project's Dockerfile for the test node
+# (tests/cluster/images.py): a host tool, not part of the cache, installed whenever it is missing.
+if ! command -v buildah >/dev/null; then
+  log "apt-get install buildah"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends buildah >/dev/null 2>&1 ||
+    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends buildah >/dev/null; }
+fi
+
 if complete; then
   ln -sfn "$DEST" "$CACHE/current"
   log "up to date: $DEST/bin (nothing to do)"
@@ -104,14 +113,14 @@ build() {
   for c in bridge host-local loopback; do cp "/usr/lib/cni/$c" "$DEST.tmp/bin/cni/"; done
   cd "$work"
 
-  # The images' base: Debian bookworm (minbase) with Python 3.11 and the unprivileged user the
-  # manifests run as (uid 65532). From the system's Debian mirror, like every package above.
+  # The images' base: Debian bookworm (minbase) with Python 3.11, from the system's Debian mirror
+  # like every package above. The project's Dockerfile is built on it (its user comes from the
+  # Dockerfile); libnuma1 and libstdc++6 are what a real vLLM CPU engine needs from the system.
   log "debootstrap bookworm + python3 (the images' base root filesystem)"
   mkdir -p "$DEST.tmp/images"
-  nice -n 19 debootstrap --variant=minbase --include=python3,python3-venv bookworm "$work/rootfs" "$uri" \
-    >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; exit 1; }
-  chroot "$work/rootfs" useradd --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin \
-    disaggpool 2>/dev/null
+  nice -n 19 debootstrap --variant=minbase --include=python3,python3-venv,libnuma1,libstdc++6 \
+    bookworm "$work/rootfs" "$uri" >"$work/debootstrap.log" 2>&1 ||
+    { tail -20 "$work/debootstrap.log"; exit 1; }
   rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
   tar -C "$work/rootfs" --numeric-owner -cf "$DEST.tmp/images/base-rootfs.tar" .
 

@@ -11,11 +11,13 @@
     disaggpool emulate --profile NAME|FILE [--port 8000] [...]     (see `disaggpool emulate -h`)
     disaggpool calibrate --endpoint URL [--peer URL] --role prefill|decode --out FILE
                          [--budget-seconds N] [--configmap NS/NAME] [--report FILE]
+                         [--accept-poor]
     disaggpool operator [--namespace NS ...] [--liveness URL]      (the Kopf operator)
 
 Exit codes: 0 success, 2 bad input (the message names the file or argument and the field),
 1 anything unexpected. `calibrate` also: 3 the fit is poor (the profile is still written, with
-quality `poor` and the reason), 4 the pod could not be probed or the profile not delivered.
+quality `poor` and the reason; 0 with `--accept-poor`), 4 the pod could not be probed or the
+profile not delivered.
 Every `calibrate` flag can also come from the environment as DISAGGPOOL_<FLAG> (for Jobs).
 """
 
@@ -245,7 +247,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{p.tpot_mape:.1%}; {result.report['elapsed_s']} s",
         file=sys.stderr,
     )
-    return EXIT_POOR_FIT if p.quality == "poor" else 0
+    return EXIT_POOR_FIT if p.quality == "poor" and not args.accept_poor else 0
 
 
 def _labels(text: str | None) -> dict[str, str] | None:
@@ -378,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("busy_poll", "") not in ("", "0", "false"),
         help="poll instead of sleeping while waiting for answers: sharper sub-millisecond "
         "constants on VMs whose idle CPUs wake slowly, for one busy core (give the Job 1 CPU)",
+    )
+    c.add_argument(
+        "--accept-poor",
+        action="store_true",
+        default=_env("accept_poor", "") not in ("", "0", "false"),
+        help="exit 0 on a poor fit too (the profile is written either way)",
     )
     c.add_argument(
         "--configmap-labels",

@@ -51,3 +51,29 @@ def test_environment_configures_a_job(
     monkeypatch.setenv("DISAGGPOOL_OUT", "-")
     # parsed from the environment: gets as far as trying the (closed) port
     assert main(["calibrate"]) == 4
+
+
+def test_a_poor_fit_exits_3_unless_accepted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The profile is written either way; only the exit code (what a Job's retry sees) differs."""
+    import dataclasses
+
+    from disaggpool.calibration import probe
+    from disaggpool.calibration.common import ProbeResult
+    from disaggpool.core.hardware import builtin_profile
+    from disaggpool.formats.profiles import load_profile
+
+    poor = dataclasses.replace(
+        builtin_profile("a40-qwen2.5-3b"), quality="poor", ttft_mape=0.6, tpot_mape=0.4
+    )
+    monkeypatch.setattr(
+        probe, "run_probe", lambda cfg, progress=None: ProbeResult(poor, {"elapsed_s": 1.0})
+    )
+    for extra, code in (([], 3), (["--accept-poor"], 0)):
+        out = tmp_path / f"p{code}.yaml"
+        args = ["calibrate", "--endpoint", "http://127.0.0.1:1", "--out", str(out), *extra]
+        assert main(args) == code
+        assert load_profile(out).quality == "poor"
+    monkeypatch.setenv("DISAGGPOOL_ACCEPT_POOR", "1")
+    assert main(["calibrate", "--endpoint", "http://x:1", "--out", str(tmp_path / "e.yaml")]) == 0

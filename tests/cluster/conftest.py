@@ -1,5 +1,6 @@
 """The test node (node_cluster.py) for tests/cluster: started once per session, stopped after
-the folder's last test, also when a test fails.
+the folder's last test, also when a test fails; and the operator as users install it (`helm
+install` of the chart with the locally built image), once per module that asks for it.
 
 Skips when the node cannot run here (not root, or scripts/k8s_env.sh has not built it); with
 ``DISAGGPOOL_REQUIRE_CLUSTER=1`` (what .ci/run sets) it fails instead, naming what is missing.
@@ -12,12 +13,16 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import node_cluster
+from images import PROJECT
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: Starting the node builds and imports the images: minutes on two busy cores.
 CLUSTER_TIMEOUT_S = 900
@@ -56,3 +61,22 @@ def node(
     with contextlib.ExitStack() as stack:
         request.config.stash[_node_key] = stack
         yield stack.enter_context(node_cluster.running_node(tmp_path_factory.mktemp("node")))
+
+
+@pytest.fixture(scope="module")
+def operator(node: node_cluster.NodeCluster) -> Iterator[dict[str, Any]]:
+    """The chart installed as release `dp`: the operator's Deployment, rolled out."""
+    ns = node_cluster.OPERATOR_NAMESPACE
+    node.helm(
+        "install", "dp", str(REPO / "helm" / "disaggpool"), "--namespace", ns,
+        "--create-namespace",
+        "--set", f"image.repository={PROJECT[0]}",
+        "--set", f"image.tag={PROJECT[1]}",
+        "--set", "image.pullPolicy=Never",
+        "--set", "operator.resyncSeconds=5",
+    )  # fmt: skip
+    (deployment,) = node.get("deployments", "-n", ns)["items"]
+    name = deployment["metadata"]["name"]
+    node.kubectl("rollout", "status", "-n", ns, f"deployment/{name}", "--timeout=240s")
+    yield deployment
+    node.helm("uninstall", "dp", "--namespace", ns, "--wait", check=False)

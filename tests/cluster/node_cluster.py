@@ -50,6 +50,8 @@ NODE_NAME = "dpool-node"
 API_PORT = 6443
 SERVER = f"https://{NODE_IP}:{API_PORT}"
 SANDBOX_IMAGE = "disaggpool.local/pause:3.4"
+#: Where the tests install the operator (`helm install --namespace`).
+OPERATOR_NAMESPACE = "disaggpool-system"
 NEEDED = [
     *("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet"),
     *("kube-proxy", "kubectl", "helm", "containerd", "containerd-shim-runc-v2", "ctr", "runc"),

@@ -10,21 +10,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from images import PROJECT
+from completions import complete
+from images import EMULATED_ENGINE, PROJECT
+from node_cluster import OPERATOR_NAMESPACE as NS
 from node_cluster import POD_SUBNET, NodeCluster
 
 from disaggpool.kubeclient.paths import pod_ready
 
 REPO = Path(__file__).resolve().parents[2]
-NS = "disaggpool-system"
 
-#: 1 prefill + 2 decode on CPUs (`gpus: 0`). The image's `vllm` runs the emulator with the
-#: command line the operator renders (vllm_shim.py), so the probe measures a real HTTP engine.
+#: 1 prefill + 2 decode on CPUs (`gpus: 0`). The engine image's `vllm` runs the emulator with
+#: the command line the operator renders (vllm_shim.py), so the probe measures a real HTTP engine.
 CPU_POOL = {
     "apiVersion": "disaggpool.io/v1alpha1",
     "kind": "DisaggPool",
@@ -32,7 +32,7 @@ CPU_POOL = {
     "spec": {
         "model": {"name": "Qwen/Qwen2.5-3B", "servedModelName": "qwen", "maxModelLen": 4096},
         "engine": {
-            "image": f"{PROJECT[0]}:{PROJECT[1]}",
+            "image": f"{EMULATED_ENGINE[0]}:{EMULATED_ENGINE[1]}",
             "imagePullPolicy": "Never",
             "env": [{"name": "DISAGGPOOL_EMULATOR_PROFILE", "value": "a40-qwen2.5-3b"}],
             "sharedMemory": "64Mi",
@@ -43,23 +43,6 @@ CPU_POOL = {
         "router": {"policy": "calibrated"},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def operator(node: NodeCluster) -> Iterator[dict[str, Any]]:
-    node.helm(
-        "install", "dp", str(REPO / "helm" / "disaggpool"), "--namespace", NS,
-        "--create-namespace",
-        "--set", f"image.repository={PROJECT[0]}",
-        "--set", f"image.tag={PROJECT[1]}",
-        "--set", "image.pullPolicy=Never",
-        "--set", "operator.resyncSeconds=5",
-    )  # fmt: skip
-    (deployment,) = node.get("deployments", "-n", NS)["items"]
-    name = deployment["metadata"]["name"]
-    node.kubectl("rollout", "status", "-n", NS, f"deployment/{name}", "--timeout=240s")
-    yield deployment
-    node.helm("uninstall", "dp", "--namespace", NS, "--wait", check=False)
 
 
 def _deployments(node: NodeCluster, pool: str) -> dict[str, dict[str, Any]]:
@@ -176,15 +159,7 @@ def _router_service_ip(node: NodeCluster) -> str:
 
 
 def _complete(ip: str, tokens: int = 8) -> dict[str, Any]:
-    body = {"model": "qwen", "prompt": "hello " * 50, "max_tokens": tokens, "ignore_eos": True}
-    req = urllib.request.Request(
-        f"http://{ip}:8000/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return dict(json.loads(resp.read()))
+    return complete(ip, "qwen", "hello " * 50, tokens)
 
 
 def _bursty_trace(path: Path, n: int, burst: int = 10, every_s: float = 2.0) -> Path:

@@ -214,6 +214,15 @@ def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None
     assert field in [i.field for i in issues], issues
 
 
+def test_a_job_keeps_a_poor_fit_only_when_poor_fits_are_not_reprobed() -> None:
+    pod = PodView("d", "decode", "198.18.0.2", True)
+    for reprobe, accepted in ((True, False), (False, True)):
+        pool, spec = _spec("small.yaml", calibration__reprobeOnPoor=reprobe)
+        job = render_calibration_job(pool, spec, pod, "198.18.0.1", 1)
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert ("--accept-poor" in args) is accepted
+
+
 def test_render_job_for_prefill_has_no_peer() -> None:
     pool, spec = _spec("heterogeneous.yaml")
     job = render_calibration_job(

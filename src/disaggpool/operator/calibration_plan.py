@@ -90,6 +90,10 @@ def render_calibration_job(
         args += ["--peer", f"http://{peer_ip}:{spec.engine.port}"]
     if pod.gpu_type:
         args += ["--gpu", pod.gpu_type]
+    if not c.reprobe_on_poor:
+        # A poor fit is kept: the Job succeeds, so Kubernetes does not run the probe again (its
+        # backoffLimit) and overwrite the profile with another measurement.
+        args.append("--accept-poor")
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
