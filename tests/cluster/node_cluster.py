@@ -25,6 +25,7 @@ import ipaddress
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def unavailable() -> str:
         return f"{', '.join(missing)} not in {BIN} (run: bash scripts/k8s_env.sh)"
     if not (BIN.parent / "images" / "base-rootfs.tar").is_file():
         return f"no images/base-rootfs.tar beside {BIN} (run: bash scripts/k8s_env.sh)"
+    if shutil.which("buildah") is None:
+        return "no buildah to build the images with (run: bash scripts/k8s_env.sh)"
     return ""
 
 

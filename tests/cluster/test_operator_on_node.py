@@ -431,6 +431,62 @@ def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_dow
     )
 
 
+def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
+    node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
+) -> None:
+    """The loop's other half: the router, not a bound, takes decode back down. It scales down
+    only once it has seen a burst window of traffic, so the window is set to its least, two
+    minutes: a burst of 2 req/s brings a third decode pod, then light traffic runs while the
+    window fills, and the router's recommendation (2, inside the bounds 2..3) removes one pod
+    with requests in flight. None is lost."""
+    old_router = _router_ip(node)
+    loop = {"decode": {"maxReplicas": 3}, "autoscaling": {"burstWindowSeconds": 120}}
+    node.kubectl(
+        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
+        json.dumps({"spec": loop}),
+    )  # fmt: skip
+    node.wait_for(
+        "the router pod with the burst window",
+        lambda: (new := _router_ip(node)) != old_router and new,
+        timeout=180,
+    )
+    ip = _router_service_ip(node)
+    trace = _steady_trace(tmp_path / "burst.csv", 60, rps=2.0, output_tokens=100)
+    run = _loadgen(ip, trace, tmp_path / "burst.json")
+    node.wait_for(
+        "the router to ask for a third decode pod",
+        lambda: _autoscaling_status(node).get("replicas") == 3,
+        timeout=150,
+        every=2,
+    )
+    summary = _summary(run, tmp_path / "burst.json")
+    assert summary["completed"] + summary["errors"] == 60, summary
+    assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
+
+    light = _steady_trace(tmp_path / "light.csv", 90, rps=0.5, output_tokens=16)
+    run = _loadgen(ip, light, tmp_path / "light.json")
+    status = node.wait_for(
+        "the router's own recommendation to scale decode down",
+        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 2 else {},
+        timeout=240,
+        every=2,
+    )
+    print(f"\n[cluster] router-decided scale-down: {status}")
+    assert status["source"] == "autoscaler" and status["recommendedReplicas"] == 2, status
+    assert "bounds" not in status["reason"], status  # the router's count, not a clamp
+    summary = _summary(run, tmp_path / "light.json")
+    print(f"[cluster] light traffic across it: {summary}")
+    assert summary["completed"] == 90 and summary["errors"] == 0, summary["errors_by_status"]
+    node.wait_for(
+        "two decode pods",
+        lambda: (
+            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
+            == 2
+        ),
+        timeout=120,
+    )
+
+
 def test_deleting_the_pool_garbage_collects_its_objects(
     node: NodeCluster, cpu_pool: dict[str, Any]
 ) -> None:

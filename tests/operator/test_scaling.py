@@ -15,6 +15,7 @@ from disaggpool.operator.render import ROUTER_CONFIG_KEY, render_pool
 from disaggpool.operator.scaling import decode_scale, read_recommendation, with_decode_replicas
 from disaggpool.operator.spec import PoolSpec, parse_spec
 from disaggpool.sidecar.config import parse_config
+from disaggpool.sidecar.service import RoutingService
 
 POOL = PoolRef("small", "serving", "uid-1", 1)
 
@@ -76,11 +77,12 @@ def test_a_bad_recommendation_is_reported_and_ignored(annotation: str, message: 
 
 def test_bad_autoscaling_specs_name_their_field() -> None:
     doc = load_sample("heterogeneous.yaml")["spec"]
-    doc["autoscaling"] = {"enabled": True, "targetGoodput": 1.0}
+    doc["autoscaling"] = {"enabled": True, "targetGoodput": 1.0, "burstWindowSeconds": 60}
     _, issues = parse_spec(doc, "img")
     messages = {i.field: i.message for i in issues}
     assert "a single decode variant" in messages["autoscaling.enabled"]
     assert "[0.5, 1)" in messages["autoscaling.targetGoodput"]
+    assert "120" in messages["autoscaling.burstWindowSeconds"]
 
 
 def test_only_an_autoscaled_pool_lets_its_router_write_the_pool_and_nothing_else() -> None:
@@ -100,12 +102,18 @@ def test_only_an_autoscaled_pool_lets_its_router_write_the_pool_and_nothing_else
 
 
 def test_the_rendered_router_config_carries_the_autoscaler_and_parses() -> None:
-    s = spec(startupSeconds=90, stabilizationWindowSeconds=120, targetGoodput=0.95)
+    s = spec(
+        startupSeconds=90, stabilizationWindowSeconds=120, targetGoodput=0.95,
+        burstWindowSeconds=180,
+    )  # fmt: skip
     cm = next(o for o in render_pool(POOL, s) if o["kind"] == "ConfigMap")
     config = parse_config(yaml.safe_load(cm["data"][ROUTER_CONFIG_KEY]), "rendered")
     a = config.autoscaling
     assert a is not None
     assert (a.min_replicas, a.max_replicas, a.startup_s, a.stabilization_s) == (1, 4, 90, 120)
+    assert a.burst_window_s == 180
+    # ... and the router measures burstiness over that window.
+    assert RoutingService(config).demand.burst_window_s == 180
     assert (a.target_goodput, a.pool_namespace, a.pool_name) == (0.95, "serving", "small")
 
 

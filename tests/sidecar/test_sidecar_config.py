@@ -210,6 +210,10 @@ def test_members_name_their_kv_events_endpoint() -> None:
             "autoscaling.pool.namespace",
         ),
         ({"min_replicas": 1, "max_replicas": 3, "colour": 1}, "autoscaling.colour"),
+        (
+            {"min_replicas": 1, "max_replicas": 3, "burst_window_s": 60},
+            "autoscaling.burst_window_s",
+        ),
     ],
 )
 def test_autoscaling_settings_are_checked(autoscaling: dict[str, Any], field: str) -> None:
@@ -222,6 +226,7 @@ def test_autoscaling_defaults() -> None:
     a = parse_config({**BASE, "autoscaling": {"min_replicas": 1, "max_replicas": 5}}).autoscaling
     assert a is not None
     assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 15)
+    assert a.burst_window_s == 600
     assert a.pool_name == ""  # metrics only: nothing is written anywhere
 
 

@@ -30,7 +30,7 @@ from collections import deque
 
 from disaggpool.core.stats import coefficient_of_variation, percentile
 
-__all__ = ["Demand", "DemandWindow"]
+__all__ = ["BURST_WINDOW_DEFAULT_S", "BURST_WINDOW_MIN_S", "Demand", "DemandWindow"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +60,12 @@ class _Done:
     tpot_ratio: float
 
 
+#: The burst window's default, and its least: it must cover the rate's trend (`trend_s`, 120 s)
+#: and window (60 s). Until a window has seen this much traffic, burstiness is not known.
+BURST_WINDOW_DEFAULT_S = 600
+BURST_WINDOW_MIN_S = 120
+
+
 class DemandWindow:
     """A sliding window over arrivals and completions (see the module docstring)."""
 
@@ -67,7 +73,7 @@ class DemandWindow:
         self,
         window_s: float = 60.0,
         bin_s: float = 5.0,
-        burst_window_s: float = 600.0,
+        burst_window_s: float = BURST_WINDOW_DEFAULT_S,
         trend_s: float = 120.0,
         mix_requests: int = 512,
     ) -> None:

@@ -314,6 +314,7 @@ def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
         "max_replicas": spec.decode.max_replicas,
         "startup_s": a.startup_s,
         "stabilization_s": a.stabilization_window_s,
+        "burst_window_s": a.burst_window_s,
         "target_goodput": a.target_goodput,
     }
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disaggpool.core.contracts import SLOClass
+from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
     NEEDS_PREFIX_INDEX,
@@ -187,12 +188,14 @@ class AutoscalingSpec:
     """Decode autoscaling (docs/operator.md, "Autoscaling"): the router computes the decode
     replicas the traffic needs (`core.autoscaling`) and writes them on the pool; the operator
     applies them within decode.min/maxReplicas. `startup_s`: a new decode pod's cold start
-    (engine load and calibration), how far ahead the autoscaler looks."""
+    (engine load and calibration), how far ahead the autoscaler looks. `burst_window_s`: the
+    traffic the router's burstiness is measured over; no scale-down before it has seen that much."""
 
     enabled: bool = False
     target_goodput: float = 0.9
     stabilization_window_s: int = 300
     startup_s: int = 120
+    burst_window_s: int = BURST_WINDOW_DEFAULT_S
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -429,6 +432,9 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         target_goodput=a.number("targetGoodput", 0.9, positive=True),
         stabilization_window_s=a.integer("stabilizationWindowSeconds", 300, minimum=0),
         startup_s=a.integer("startupSeconds", 120, minimum=0),
+        burst_window_s=a.integer(
+            "burstWindowSeconds", BURST_WINDOW_DEFAULT_S, minimum=BURST_WINDOW_MIN_S
+        ),
     )
     if not 0.5 <= autoscaling.target_goodput < 1:
         a.problem("targetGoodput", "a fraction of requests in [0.5, 1)")

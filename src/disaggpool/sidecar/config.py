@@ -14,6 +14,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from disaggpool.core.contracts import Role, SLOClass
+from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
     NEEDS_PREFIX_INDEX,
@@ -71,6 +72,7 @@ class AutoscalingConfig:
     max_replicas: int
     startup_s: float = 120.0
     stabilization_s: float = 300.0
+    burst_window_s: float = BURST_WINDOW_DEFAULT_S
     target_goodput: float = 0.9
     period_s: float = 15.0
     pool_namespace: str = ""
@@ -284,6 +286,7 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
 def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
     a = rd.mapping(raw, "autoscaling")
     keys = {"min_replicas", "max_replicas", "startup_s", "stabilization_s", "target_goodput"}
+    keys |= {"burst_window_s"}
     rd.known(a, "autoscaling", keys | {"period_s", "pool"})
     for key in ("min_replicas", "max_replicas"):
         if key not in a:
@@ -293,11 +296,17 @@ def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
     target = rd.number(a.get("target_goodput", 0.9), "autoscaling.target_goodput", positive=True)
     if not 0.5 <= target < 1:
         raise rd.fail("autoscaling.target_goodput", f"must be in [0.5, 1), got {target}")
+    burst = rd.number(a.get("burst_window_s", BURST_WINDOW_DEFAULT_S), "autoscaling.burst_window_s")
+    if burst < BURST_WINDOW_MIN_S:
+        raise rd.fail(
+            "autoscaling.burst_window_s", f"must be at least {BURST_WINDOW_MIN_S:g} s, got {burst}"
+        )
     out = AutoscalingConfig(
         lo,
         hi,
         startup_s=rd.number(a.get("startup_s", 120.0), "autoscaling.startup_s"),
         stabilization_s=rd.number(a.get("stabilization_s", 300.0), "autoscaling.stabilization_s"),
+        burst_window_s=burst,
         target_goodput=target,
         period_s=rd.number(a.get("period_s", 15.0), "autoscaling.period_s", positive=True),
     )

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision, SLOClass
-from disaggpool.core.demand import DemandWindow
+from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, DemandWindow
 from disaggpool.core.drift import DriftTracker
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
@@ -127,7 +127,11 @@ class RoutingService:
         self.rng = random.Random(seed)
         self.clock = clock
         events = config.kv_events
-        self.demand = DemandWindow()  # what the decode autoscaler reads (sidecar.autoscale)
+        # What the decode autoscaler reads (sidecar.autoscale).
+        scaling = config.autoscaling
+        self.demand = DemandWindow(
+            burst_window_s=scaling.burst_window_s if scaling else BURST_WINDOW_DEFAULT_S
+        )
         self.metrics = SidecarMetrics(
             self.state,
             clock,
