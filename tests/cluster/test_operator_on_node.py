@@ -345,6 +345,39 @@ def _steady_trace(path: Path, n: int, rps: float, output_tokens: int) -> Path:
     return path
 
 
+def _patch_rolling_the_router(node: NodeCluster, spec: dict[str, Any], what: str) -> None:
+    """Merge `spec` into the pool's. It changes the router's config, so the router's Deployment
+    rolls and the new pod starts a fresh traffic window: wait for that pod."""
+    old = _router_ip(node)
+    node.kubectl(
+        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p", json.dumps({"spec": spec})
+    )  # fmt: skip
+    node.wait_for(what, lambda: (new := _router_ip(node)) != old and new, timeout=180)
+
+
+def _wait_for_applied(node: NodeCluster, n: int, what: str, timeout: float) -> dict[str, Any]:
+    """`status.autoscaling` once the operator has applied `n` decode replicas."""
+    return dict(
+        node.wait_for(
+            what,
+            lambda: s if (s := _autoscaling_status(node)).get("replicas") == n else {},
+            timeout=timeout,
+            every=2,
+        )
+    )
+
+
+def _wait_for_decode_pods(node: NodeCluster, n: int) -> None:
+    node.wait_for(
+        f"{n} decode pods",
+        lambda: (
+            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
+            == n
+        ),
+        timeout=120,
+    )
+
+
 def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_down(
     node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -357,31 +390,18 @@ def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_dow
     (about 14 ms), so a decode pod holds one sequence at the target and 2 req/s of 100-token
     outputs need more than the two pods the pool runs."""
     assert _decode_replicas(node) == 2
-    old_router = _router_ip(node)
     loop = {
         "decode": {"minReplicas": 2, "maxReplicas": 3},
         "autoscaling": {"enabled": True, "startupSeconds": 30, "stabilizationWindowSeconds": 30},
         "router": {"sloClasses": [{"name": "interactive", "ttftSeconds": 5, "tpotSeconds": 0.012}]},
     }
-    node.kubectl(
-        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
-        json.dumps({"spec": loop}),
-    )  # fmt: skip
-    # The router's config changed: its Deployment rolls, and the new pod starts a fresh window.
-    node.wait_for(
-        "the router pod with the autoscaler",
-        lambda: (new := _router_ip(node)) != old_router and new,
-        timeout=180,
-    )
+    _patch_rolling_the_router(node, loop, "the router pod with the autoscaler")
     ip = _router_service_ip(node)  # from here on, as clients do: the router rolls again below
     before = {p["metadata"]["name"] for p in _engines(node)}
     trace = _steady_trace(tmp_path / "steady.csv", 90, rps=2.0, output_tokens=100)
     run = _loadgen(ip, trace, tmp_path / "up.json")
-    status = node.wait_for(
-        "the operator to apply the router's recommendation",
-        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 3 else {},
-        timeout=150,
-        every=2,
+    status = _wait_for_applied(
+        node, 3, "the operator to apply the router's recommendation", timeout=150
     )
     assert status["source"] == "autoscaler" and status["recommendedReplicas"] >= 3, status
     assert _decode_replicas(node) == 3
@@ -411,24 +431,15 @@ def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_dow
         "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
         json.dumps({"spec": {"decode": {"maxReplicas": 2}}}),
     )  # fmt: skip
-    status = node.wait_for(
-        "the operator to scale decode down to the bound",
-        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 2 else {},
-        timeout=60,
+    status = _wait_for_applied(
+        node, 2, "the operator to scale decode down to the bound", timeout=60
     )
     assert "bounds 2..2" in status["reason"], status
     summary = _summary(run, tmp_path / "down.json")
     print(f"\n[cluster] scale-down: {status}; loadgen {summary}")
     assert summary["completed"] == 40 and summary["errors"] == 0, summary["errors_by_status"]
     node.wait_for("the router to roll", lambda: _router_ip(node) != router_before, timeout=120)
-    node.wait_for(
-        "two decode pods",
-        lambda: (
-            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
-            == 2
-        ),
-        timeout=120,
-    )
+    _wait_for_decode_pods(node, 2)
 
 
 def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
@@ -439,37 +450,20 @@ def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
     minutes: a burst of 2 req/s brings a third decode pod, then light traffic runs while the
     window fills, and the router's recommendation (2, inside the bounds 2..3) removes one pod
     with requests in flight. None is lost."""
-    old_router = _router_ip(node)
     loop = {"decode": {"maxReplicas": 3}, "autoscaling": {"burstWindowSeconds": 120}}
-    node.kubectl(
-        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
-        json.dumps({"spec": loop}),
-    )  # fmt: skip
-    node.wait_for(
-        "the router pod with the burst window",
-        lambda: (new := _router_ip(node)) != old_router and new,
-        timeout=180,
-    )
+    _patch_rolling_the_router(node, loop, "the router pod with the burst window")
     ip = _router_service_ip(node)
     trace = _steady_trace(tmp_path / "burst.csv", 60, rps=2.0, output_tokens=100)
     run = _loadgen(ip, trace, tmp_path / "burst.json")
-    node.wait_for(
-        "the router to ask for a third decode pod",
-        lambda: _autoscaling_status(node).get("replicas") == 3,
-        timeout=150,
-        every=2,
-    )
+    _wait_for_applied(node, 3, "the router to ask for a third decode pod", timeout=150)
     summary = _summary(run, tmp_path / "burst.json")
     assert summary["completed"] + summary["errors"] == 60, summary
     assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
 
     light = _steady_trace(tmp_path / "light.csv", 90, rps=0.5, output_tokens=16)
     run = _loadgen(ip, light, tmp_path / "light.json")
-    status = node.wait_for(
-        "the router's own recommendation to scale decode down",
-        lambda: s if (s := _autoscaling_status(node)).get("replicas") == 2 else {},
-        timeout=240,
-        every=2,
+    status = _wait_for_applied(
+        node, 2, "the router's own recommendation to scale decode down", timeout=240
     )
     print(f"\n[cluster] router-decided scale-down: {status}")
     assert status["source"] == "autoscaler" and status["recommendedReplicas"] == 2, status
@@ -477,14 +471,7 @@ def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
     summary = _summary(run, tmp_path / "light.json")
     print(f"[cluster] light traffic across it: {summary}")
     assert summary["completed"] == 90 and summary["errors"] == 0, summary["errors_by_status"]
-    node.wait_for(
-        "two decode pods",
-        lambda: (
-            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
-            == 2
-        ),
-        timeout=120,
-    )
+    _wait_for_decode_pods(node, 2)
 
 
 def test_deleting_the_pool_garbage_collects_its_objects(
