@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import pytest
 from completions import complete
 from images import REAL_ENGINE
 from node_cluster import NodeCluster
+from vllm_cpu import server_command
 
 from disaggpool import promtext
 from disaggpool.kubeclient.paths import pod_ready
@@ -233,3 +235,20 @@ def test_the_operator_runs_a_real_vllm_pair_and_routes_through_it(
     assert grew(before_d, after_d, "vllm:nixl_bytes_transferred_count") >= 1
     assert grew(before_d, after_d, "vllm:nixl_bytes_transferred_sum") > 0
     assert grew(before_d, after_d, "vllm:nixl_num_failed_transfers_total") == 0
+
+
+def test_the_engine_command_runs_the_mounted_venv_on_the_images_python() -> None:
+    """vllm_cpu.py, without a node: `vllm serve` becomes the api server module, every flag kept."""
+    flags = ["--port", "8000", "--kv-transfer-config", '{"kv_role":"kv_producer"}']
+    argv, env = server_command(
+        ["serve", "/m/tiny", *flags], {"DISAGGPOOL_VLLM_VENV": "/v", "A": "1"}
+    )
+    assert argv[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny", *flags]
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    assert env == {
+        "DISAGGPOOL_VLLM_VENV": "/v",
+        "A": "1",
+        "PYTHONPATH": f"/v/lib/{python}/site-packages",
+    }
+    with pytest.raises(SystemExit, match="usage: vllm serve MODEL"):
+        server_command(["bench", "x"], {})

@@ -285,9 +285,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
 
 def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
     a = rd.mapping(raw, "autoscaling")
-    keys = {"min_replicas", "max_replicas", "startup_s", "stabilization_s", "target_goodput"}
-    keys |= {"burst_window_s"}
-    rd.known(a, "autoscaling", keys | {"period_s", "pool"})
+    keys = {"min_replicas", "max_replicas", "startup_s", "stabilization_s", "burst_window_s"}
+    rd.known(a, "autoscaling", keys | {"target_goodput", "period_s", "pool"})
     for key in ("min_replicas", "max_replicas"):
         if key not in a:
             raise rd.fail(f"autoscaling.{key}", "required")
