@@ -36,7 +36,7 @@ def test_prefill_ready_time_counts_queue_and_own_prompt() -> None:
 
 
 def test_prefill_prices_foreign_waiting_requests_at_this_length() -> None:
-    inst = InstanceSnapshot("p", "prefill", waiting=3, queued=1, queued_tokens=100)
+    inst = InstanceSnapshot("p", "prefill", waiting=3, queued=1, queued_tokens=100, foreign=2)
     # two requests the router did not send: 2 * 500 tokens added to the 100 queued + 500 own
     expected = math.ceil(1600 / 1000) * 0.01 + 0.001 * 1600
     assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(expected)
@@ -53,7 +53,7 @@ def test_prefill_counts_its_own_running_prompt_once() -> None:
 
 def test_prefill_prices_foreign_running_requests_at_this_length() -> None:
     # Two prompts being prefilled that the router did not send (it has nothing there).
-    inst = InstanceSnapshot("p", "prefill", running=2)
+    inst = InstanceSnapshot("p", "prefill", running=2, foreign=2)
     expected = math.ceil(1500 / 1000) * 0.01 + 0.001 * 1500
     assert costmodel.prefill_ready_time(request(), inst, PROFILE) == pytest.approx(expected)
 
@@ -70,7 +70,7 @@ def test_idle_decode_instance() -> None:
 
 def test_busy_instance_adds_slowdown_imposed_on_others() -> None:
     inst = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=4000, remaining_output_tokens=400.0
     )
     est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     # r_bar = 100, growth = 50, batch 5: context 4000 + 500 + 5 * 50
@@ -83,7 +83,7 @@ def test_busy_instance_adds_slowdown_imposed_on_others() -> None:
 
 def test_full_batch_waits_for_completions() -> None:
     inst = InstanceSnapshot(
-        "d", "decode", running=8, kv_tokens_used=8000, remaining_output_tokens=800.0
+        "d", "decode", running=8, inflight=8, kv_tokens_used=8000, remaining_output_tokens=800.0
     )
     est = costmodel.decode_estimate(request(), inst, PROFILE, 0.0)
     tau = 0.02 + 0.001 * 8 + 1e-6 * (8000 + 500 + 8 * 50)
@@ -96,7 +96,7 @@ def test_full_batch_waits_for_completions() -> None:
 
 def test_a_slot_that_frees_during_the_prefill_costs_the_decode_leg_nothing() -> None:
     inst = InstanceSnapshot(
-        "d", "decode", running=8, kv_tokens_used=8000, remaining_output_tokens=800.0
+        "d", "decode", running=8, inflight=8, kv_tokens_used=8000, remaining_output_tokens=800.0
     )
     tau = 0.02 + 0.001 * 8 + 1e-6 * (8000 + 500 + 8 * 50)
     wait = 1 * 100 * tau / 8  # about 0.36 s until a slot frees (the case above)
@@ -120,10 +120,10 @@ def test_a_slot_that_frees_during_the_prefill_costs_the_decode_leg_nothing() -> 
 
 def test_kv_pressure_adds_preemption_penalty() -> None:
     roomy = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=4000, remaining_output_tokens=400.0
     )
     tight = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=97_000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=97_000, remaining_output_tokens=400.0
     )
     easy = costmodel.decode_estimate(request(sigma=50), roomy, PROFILE, 0.0)
     hard = costmodel.decode_estimate(request(sigma=50), tight, PROFILE, 0.0)
@@ -136,10 +136,10 @@ def test_kv_beyond_capacity_is_not_free() -> None:
     # instances run the same step; but the context beyond the capacity is paid in preemptions
     # and recomputation: the completion time charges d2 per token over it for each of o steps.
     full = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=98_000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=98_000, remaining_output_tokens=400.0
     )
     over = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=99_000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=99_000, remaining_output_tokens=400.0
     )
     a = costmodel.decode_estimate(request(), full, PROFILE, 0.0)
     b = costmodel.decode_estimate(request(), over, PROFILE, 0.0)
@@ -151,19 +151,24 @@ def test_preemption_probability_from_the_kv_peak() -> None:
     # Contexts of 1,000 tokens with 100 left to generate: finishing sequences free more than the
     # batch grows, so the peak is now, k_ahead + n = 4,500, far under 98,000: no risk.
     roomy = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=4000, remaining_output_tokens=400.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=4000, remaining_output_tokens=400.0
     )
     assert costmodel.decode_estimate(request(sigma=50), roomy, PROFILE, 0.0).preempt_p == 0.0
     # the same with the peak exactly at the capacity: z = 0, an even chance
     at_cap = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=98_000 - 500, remaining_output_tokens=400.0
+        "d",
+        "decode",
+        running=4,
+        inflight=4,
+        kv_tokens_used=98_000 - 500,
+        remaining_output_tokens=400.0,
     )
     est = costmodel.decode_estimate(request(sigma=50), at_cap, PROFILE, 0.0)
     assert est.preempt_p == pytest.approx(0.5)
     # Short contexts and long outputs: the batch grows first. R = min(o + sigma, r_bar) = 150,
     # avg_ctx = 100: peak = k + n + b (2R - avg_ctx)^2 / 4R = 400 + 500 + 5 * 200^2 / 600.
     growing = InstanceSnapshot(
-        "d", "decode", running=4, kv_tokens_used=400, remaining_output_tokens=4000.0
+        "d", "decode", running=4, inflight=4, kv_tokens_used=400, remaining_output_tokens=4000.0
     )
     peak = 400 + 500 + 5 * 200**2 / 600
     shrunk = dataclasses.replace(PROFILE, kv_capacity_tokens=round(peak / 0.98))
@@ -179,6 +184,7 @@ def test_slo_harm_counts_only_requests_pushed_over_their_target() -> None:
         "d",
         "decode",
         running=4,
+        inflight=4,
         kv_tokens_used=4000,
         remaining_output_tokens=400.0,
         tpot_budgets=TpotBudgets.of([(tau_before / 2, 64, 1), (between, 64, 2), (1.0, 64, 1)]),
@@ -196,6 +202,7 @@ def test_local_prefill_prices_the_stall_and_skips_the_transfer() -> None:
         "d",
         "decode",
         running=4,
+        inflight=4,
         kv_tokens_used=4000,
         remaining_output_tokens=400.0,
         tpot_budgets=TpotBudgets.of([(0.03, 64, 2), (0.035, 8, 1), (0.5, 8, 1)]),

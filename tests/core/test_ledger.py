@@ -22,6 +22,7 @@ def zero(ledger: Ledger) -> bool:
         (a.inflight, a.queued, a.queued_tokens, a.decoding, a.local_tokens, a.targets, a.first_due)
         == (0, 0, 0, 0, 0, {}, {})
         and a.yielded_tokens == 0
+        and a.upstream == 0
         and abs(a.predicted_left) < 1e-6
         and abs(a.queued_sq_tokens) < 1e-6
         and abs(a.yielded_sq_tokens) < 1e-6
@@ -73,6 +74,37 @@ def test_view_raises_gauges_to_the_books_and_adds_tokens_since_the_scrape() -> N
     assert (p0.queued, p0.queued_tokens) == (2, 200)  # r0's prefill was done by its first token
 
 
+def test_foreign_is_what_the_scrape_showed_beyond_ours_then() -> None:
+    led = Ledger()
+    for i in range(3):
+        led.routed(entry(f"r{i}"))
+    busy = Gauges(running=1, waiting=4, kv_usage=0.0, kv_capacity_tokens=0)
+    led.scraped("p0")
+    assert view("p0", "prefill", led.accounts["p0"], busy).foreign == 2  # 5 there, 3 ours
+    # Two of ours answer: the stale gauges still show them, but they are not another's work.
+    led.prefilled("r0")
+    led.prefilled("r1")
+    p0 = view("p0", "prefill", led.accounts["p0"], busy)
+    assert (p0.queued, p0.foreign) == (1, 2)
+    led.scraped("p0")  # ... until the next scrape, which counts only what is there now
+    assert view("p0", "prefill", led.accounts["p0"], busy).foreign == 4
+
+
+def test_a_decode_instance_holds_our_requests_only_once_their_prefill_answered() -> None:
+    led = Ledger()
+    led.routed(entry("a"))  # bound to d0 at arrival, its prefill leg still running
+    led.routed(entry("b"))
+    led.prefilled("a")
+    assert led.accounts["d0"].upstream == 1
+    led.scraped("d0")  # the engine holds `a` (pulling its KV) but not yet `b`
+    one = Gauges(running=1, waiting=0, kv_usage=0.0, kv_capacity_tokens=0)
+    assert view("d0", "decode", led.accounts["d0"], one).foreign == 0
+    two = Gauges(running=1, waiting=1, kv_usage=0.0, kv_capacity_tokens=0)
+    assert view("d0", "decode", led.accounts["d0"], two).foreign == 1  # someone else's
+    led.finished("a")
+    assert view("d0", "decode", led.accounts["d0"], two).foreign == 1  # a's exit is ours
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["arrive", "arrive_late", "arrive_local", "bind", "prefilled", "token",
@@ -106,6 +138,7 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
             assert acc.inflight >= 0 and acc.queued >= 0 and acc.queued_tokens >= 0
             assert 0 <= acc.yielded_tokens <= acc.queued_tokens
             assert acc.local_tokens >= 0 and acc.decoding >= 0
+            assert 0 <= acc.upstream <= acc.inflight
             assert acc.predicted_left >= -1e-6
     for rid in list(led.entries):
         led.finished(rid)

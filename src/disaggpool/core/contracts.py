@@ -135,6 +135,8 @@ class InstanceSnapshot:
     `ttft_slack_s` (decode instances): for each request routed there that has not started
     decoding, the seconds left until its first token is due (negative when already late), in
     increasing order: a stall of S seconds there now breaks those with slack in [0, S).
+    `foreign`: requests the last scrape showed there beyond the router's own the instance held at
+    that moment: another client's or router replica's (`core.ledger` says how it is counted).
     `profile` is the calibration profile the router believes for this instance, or None.
     """
 
@@ -154,6 +156,7 @@ class InstanceSnapshot:
     local_prefill_tokens: int = 0
     local_prefill_sq_tokens: float = 0.0
     ttft_slack_s: tuple[float, ...] = ()
+    foreign: int = 0
     healthy: bool = True
     profile: CalibrationProfile | None = None
 

@@ -65,25 +65,22 @@ def prefill_ready_time(
     """Seconds until `req`'s prompt is prefilled on `inst`: its queue, then itself (FCFS).
 
     The queue is the router's own prompt tokens not yet prefilled there (less what it expected
-    cached), plus what the scrape shows beyond the router's own requests (another client's),
-    priced at this request's length. With h of its n tokens cached there, the request itself
-    costs the partial prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The prefix
-    cache"). Work routed there with a priority above 0 is not ahead of it: the router gives that
-    only to requests it predicts late, on engines scheduling by priority (COSTMODEL.md,
+    cached), plus the requests the scrape showed beyond the router's own (`foreign`: another
+    client's), priced at this request's length. With h of its n tokens cached there, the request
+    itself costs the partial prefill ``p1 * (n - h) + p2 * (n**2 - h**2)`` (COSTMODEL.md, "The
+    prefix cache"). Work routed there with a priority above 0 is not ahead of it: the router gives
+    that only to requests it predicts late, on engines scheduling by priority (COSTMODEL.md,
     "Priority").
     """
     n = req.prompt_tokens
     h = req.prefix_hits.get(inst.name, 0) if req.prefix_hits else 0
     q_tokens = inst.queued_tokens - inst.yielded_tokens
     q_sq = inst.queued_sq_tokens - inst.yielded_sq_tokens
-    # Work the router did not send itself: what the scrape shows beyond its own `queued` (which
-    # counts its requests being prefilled as well as those waiting, so `running` is ours too
-    # until the gauges show more). A waiting count raised to `queued` says nothing beyond it.
-    shown = inst.running + (inst.waiting if inst.waiting > inst.queued else 0)
-    if shown > inst.queued:
-        extra = shown - inst.queued
-        q_tokens += extra * n
-        q_sq += extra * n * n
+    # Work the router did not send itself, of unknown length: priced at this request's.
+    foreign = inst.foreign
+    if foreign:
+        q_tokens += foreign * n
+        q_sq += foreign * n * n
     tokens = q_tokens + (n - h)
     pf = prof.prefill
     iterations = math.ceil(tokens / prof.max_num_batched_tokens)
@@ -127,8 +124,9 @@ def decode_estimate(
     max_seqs = prof.max_num_seqs
 
     # Sequences and KV tokens that will be on the instance before this request.
-    queued = inst.queued if inst.queued > inst.waiting else inst.waiting
-    b_ahead = inst.running + queued
+    # Ours, exactly, and what the last scrape showed beyond ours (the gauges themselves still
+    # count our requests that finished since).
+    b_ahead = inst.inflight + inst.foreign
     k_ahead = inst.kv_tokens_used + inst.queued_tokens
     r_bar = inst.remaining_output_tokens / b_ahead if b_ahead else o  # mean remaining output
 

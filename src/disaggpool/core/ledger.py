@@ -19,7 +19,13 @@ the policies read, by one rule for every router:
   queued there; `ttft_slack_s` the seconds until the first token of each queued one is due
   (routed at + its TTFT target - now), which the P/D decider needs to price a local prefill's
   stall;
-* `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape.
+* `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape;
+* `foreign`: what the last scrape showed there (`running + waiting`) beyond the router's own
+  requests the instance held at that moment (`Account.held_at_scrape`; a prefill instance holds
+  one of ours from routing until its prefill leg answers, a decode instance from then on):
+  another client's or router replica's work. The gauges minus what is ours *now* would not do:
+  until the next scrape they still count our requests that have finished since, and every
+  instance busy at the last scrape would look busier than it is.
 
 TPOT budgets. A request of target T that has produced k tokens, the first one e seconds ago, and
 is predicted r more, meets its target if its remaining r steps take at most
@@ -126,6 +132,8 @@ class Account:
     decoding: int = 0
     predicted_left: float = 0.0
     tokens_since_scrape: int = 0
+    upstream: int = 0  # decode instance: requests bound here whose prefill leg has not answered
+    held_at_scrape: int = 0  # our requests the instance held at the last scrape (`foreign`)
     local_tokens: int = 0
     local_sq_tokens: float = 0.0
     targets: dict[tuple[float, int], int] = dataclasses.field(default_factory=dict)  # queued
@@ -200,6 +208,8 @@ class Ledger:
         entry.decode = decode
         d = self.account(decode)
         d.inflight += 1
+        if not entry.prefilled:
+            d.upstream += 1
         d.queued += 1
         d.queued_tokens += entry.prompt_tokens
         d.predicted_left += entry.predicted_output
@@ -216,7 +226,6 @@ class Ledger:
         """The prefill leg answered: the prefill instance's share is released."""
         entry = self.entries.get(request_id)
         if entry is not None and not entry.prefilled:
-            entry.prefilled = True
             self._release_prefill(entry)
         return entry
 
@@ -278,10 +287,12 @@ class Ledger:
         return [entry for rid in old if (entry := self.finished(rid)) is not None]
 
     def scraped(self, name: str) -> None:
-        """A fresh scrape of `name` now counts the prompt tokens routed there before it."""
+        """A fresh scrape of `name` now counts the prompt tokens routed there before it, and
+        what it shows beyond the requests of ours the instance holds now is foreign."""
         acc = self.accounts.get(name)
         if acc is not None:
             acc.tokens_since_scrape = 0
+            acc.held_at_scrape = acc.inflight - acc.upstream
 
     @staticmethod
     def _start_decoding(entry: Entry, d: Account) -> None:
@@ -300,6 +311,10 @@ class Ledger:
                 d.local_sq_tokens = 0.0  # no float residue
 
     def _release_prefill(self, entry: Entry) -> None:
+        """The prefill leg of `entry` answered (or it left before it did)."""
+        entry.prefilled = True
+        if entry.decode is not None:
+            self.accounts[entry.decode].upstream -= 1
         if entry.prefill is None:
             return
         p = self.accounts[entry.prefill]
@@ -367,9 +382,12 @@ def view(
     """The instance as the policies see it at `now`: scraped gauges combined with the router's
     account."""
     acc = account if account is not None else _IDLE
-    running = waiting = kv_used = 0
+    running = waiting = kv_used = foreign = 0
     if gauges is not None:
         running, waiting, kv_used = gauges.running, gauges.waiting, gauges.kv_tokens_used
+        foreign = running + waiting - acc.held_at_scrape
+        if foreign < 0:
+            foreign = 0
     kv_used += acc.tokens_since_scrape
     if role == "prefill":
         return InstanceSnapshot(
@@ -384,6 +402,7 @@ def view(
             queued_sq_tokens=acc.queued_sq_tokens,
             yielded_tokens=acc.yielded_tokens,
             yielded_sq_tokens=acc.yielded_sq_tokens,
+            foreign=foreign,
             healthy=healthy,
             profile=profile,
         )
@@ -403,6 +422,7 @@ def view(
         ttft_slack_s=tuple(sorted(due - now for due in acc.first_due.values()))
         if acc.first_due
         else (),
+        foreign=foreign,
         healthy=healthy,
         profile=profile,
     )
