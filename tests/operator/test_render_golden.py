@@ -19,12 +19,15 @@ from operator_testkit import MANIFESTS
 
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.profiles import dump_profile
+from disaggpool.kubeclient.paths import matches
+from disaggpool.labels import COMPONENT_CALIBRATION, COMPONENT_LABEL, POOL_LABEL
 from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
 from disaggpool.operator.names import PoolRef
 from disaggpool.operator.observed import (
     JobView,
     PodView,
     ProfileView,
+    job_view,
     observed_errors,
     pod_view,
     profile_view,
@@ -139,6 +142,31 @@ def test_calibration_job_and_status_match_golden() -> None:
 def _pv(name: str, quality: str = "good", fitted: str = "2026-01-02T00:00:00Z") -> ProfileView:
     p = dataclasses.replace(builtin_profile("a40-llama3-8b"), quality=quality, fitted_at=fitted)
     return ProfileView(f"small-profile-{name}", name, p)
+
+
+def test_a_probe_job_carries_the_labels_the_operator_finds_its_jobs_by() -> None:
+    # Without them the operator never saw its own probe Jobs: a failed probe left its pod
+    # `probing` for ever (seen on a real node, docs/test-node.md).
+    from kopf._core.intents.registries import get_default_registry
+
+    import disaggpool.operator.handlers  # noqa: F401  (registers the handlers)
+
+    pool, spec = _spec("small.yaml")
+    pods = [PodView("d", "decode", "198.18.0.2", True), PodView("p", "prefill", "198.18.0.1", True)]
+    jobs = plan_calibration(pool, spec, pods, [], [], NOW).create_jobs
+    assert len(jobs) == 2
+    # `reconcile` lists a pool's Jobs by this selector; the Job handler filters by these labels.
+    handler = next(
+        h for h in get_default_registry()._watching.get_all_handlers() if h.id == "_job_event"
+    )
+    for job in jobs:
+        assert matches(job, {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_CALIBRATION})
+        labels = job["metadata"]["labels"]
+        assert handler.labels is not None
+        for key, want in handler.labels.items():
+            assert key in labels and (not isinstance(want, str) or labels[key] == want), key
+        view = job_view(job)
+        assert view is not None and view.state == "active"
 
 
 def test_stale_poor_and_failed_profiles_are_reprobed_up_to_max_attempts() -> None:

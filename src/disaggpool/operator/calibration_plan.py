@@ -17,6 +17,7 @@ from typing import Any
 from disaggpool.labels import (
     ATTEMPT_LABEL,
     COMPONENT_CALIBRATION,
+    COMPONENT_LABEL,
     POD_LABEL,
     POOL_LABEL,
     PROFILE_LABEL,
@@ -63,10 +64,15 @@ def render_calibration_job(
     cm = profile_configmap_name(pool, pod.name)
     # No role label: `pool + role` selects a pool's engine pods (the operator, the router, the
     # scale subresource), and a running probe pod is none of them. Seen on a real node: probe
-    # pods counted as engines got probes of their own, without end.
-    labels = pool_labels(
-        pool, COMPONENT_CALIBRATION, **{POD_LABEL: pod.name, ATTEMPT_LABEL: str(attempt)}
-    )
+    # pods counted as engines got probes of their own, without end. The component label is what
+    # the operator finds its Jobs by (`reconcile`, the Job handler): without it a failed probe
+    # went unnoticed, its pod `probing` for ever (seen on a real node too).
+    extra = {
+        COMPONENT_LABEL: COMPONENT_CALIBRATION,
+        POD_LABEL: pod.name,
+        ATTEMPT_LABEL: str(attempt),
+    }
+    labels = pool_labels(pool, COMPONENT_CALIBRATION, **extra)
     args = [
         "calibrate",
         "--endpoint",
