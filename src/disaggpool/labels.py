@@ -14,6 +14,7 @@ holding the profile YAML in key ``profile.yaml``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 __all__ = [
     "API_VERSION",
@@ -36,8 +37,10 @@ __all__ = [
     "PLURAL",
     "POD_LABEL",
     "POOL_LABEL",
+    "PROBE_JOB_LABELS",
     "PROFILE_KEY",
     "PROFILE_LABEL",
+    "PROFILE_LABELS",
     "PROFILE_LABEL_VALUE",
     "REPORT_KEY",
     "ROLES",
@@ -48,6 +51,7 @@ __all__ = [
     "VARIANT_LABEL",
     "VERSION",
     "format_selector",
+    "of_pool",
 ]
 
 # The custom resource.
@@ -78,6 +82,12 @@ K8S_COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "disaggpool-operator"
 
+# What marks an object as a probe Job or a profile ConfigMap, in any pool. What is rendered and
+# what is selected (a pool's list, the operator's watch filters) are both built from these, so
+# they cannot drift apart: they once did, and the operator never saw its own probe Jobs.
+PROBE_JOB_LABELS = MappingProxyType({COMPONENT_LABEL: COMPONENT_CALIBRATION})
+PROFILE_LABELS = MappingProxyType({PROFILE_LABEL: PROFILE_LABEL_VALUE})
+
 # Annotations (the operator's; the applied spec is remembered on the pool itself).
 APPLIED_SPEC_ANNOTATION = f"{GROUP}/applied-spec"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
@@ -91,6 +101,11 @@ DECODE_RECOMMENDATION_ANNOTATION = f"{GROUP}/decode-recommendation"
 # Keys of a profile ConfigMap's data (what the probe writes, what the operator and sidecar read).
 PROFILE_KEY = "profile.yaml"
 REPORT_KEY = "report.json"
+
+
+def of_pool(pool: str, kind: Mapping[str, str], **extra: str) -> dict[str, str]:
+    """The labels (or the equality selector) of one kind of object in one pool, plus `extra`."""
+    return {POOL_LABEL: pool, **kind, **extra}
 
 
 def format_selector(terms: Mapping[str, str]) -> str:

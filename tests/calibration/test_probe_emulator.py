@@ -122,9 +122,10 @@ def test_without_a_peer_the_transfer_is_marked_unmeasured_and_not_good() -> None
         assemble.DEFAULT_K0_S,
         assemble.DEFAULT_KV_BANDWIDTH,
     )
-    assert got.quality != "good", got.notes
-    # Fair because of the transfer, unless its own fits were poor anyway.
-    assert got.quality == "poor" or "at most fair" in got.notes, got.notes
+    # Never good; fair because of the transfer, or already fair or poor by its own held-out
+    # errors (on a loaded machine the 10 s probe's fits can be, so the cap is not asserted
+    # here: test_assemble checks it on fixed fits).
+    assert got.quality in ("fair", "poor"), got.notes
     assert "KV transfer not measured (no --peer)" in got.notes
     assert result.report["samples"]["transfer"] == 0
     assert profile_from_dict(profile_to_dict(got)) == got

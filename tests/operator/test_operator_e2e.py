@@ -530,3 +530,115 @@ async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
     finally:
         await kube.close()
         cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _play_failed_job(cluster: Cluster, ns: str, job: str) -> None:
+    """What the Job controller writes once a probe's pods have failed `backoffLimit` times."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    failed = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+              "lastProbeTime": now, "lastTransitionTime": now}  # fmt: skip
+    cluster.kubectl(
+        "patch", "job", job, "-n", ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"conditions": [failed], "failed": 1}}),
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_failed_probe_is_retried_then_the_pod_is_marked_failed(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The running operator sees its probe Jobs end (its Job watch and its Job list): a failed
+    probe is run again as the next attempt, and after `calibration.maxAttempts` failures the
+    pod is `failed`. Before the probe Jobs carried the labels the operator finds them by, the
+    first failure left the pod `probing` for ever."""
+    ns = "failing"
+    cluster.kubectl("create", "namespace", ns)
+    cr = load_sample("small.yaml")
+    cr["metadata"]["namespace"] = ns
+    cr["spec"]["calibration"] = {"maxAttempts": 2}
+    token = cluster.sa_token("disaggpool-system", "disaggpool-operator")
+    log = tmp_path / "operator.log"
+    proc = await start_operator(cluster.kubeconfig_for(tmp_path / "operator", token), log)
+    try:
+        cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
+
+        async def both() -> list[dict[str, Any]] | None:
+            pods = _pods(cluster, ns, "disaggpool.io/pool=small,disaggpool.io/role")
+            return pods if len(pods) == 2 else None
+
+        pods = {
+            p["metadata"]["labels"]["disaggpool.io/role"]: p["metadata"]["name"]
+            for p in await eventually(both, "pods", 60, 0.5, log)
+        }
+        _play_kubelet(cluster, ns, pods["prefill"], "198.18.0.41")
+        _play_kubelet(cluster, ns, pods["decode"], "198.18.0.42")
+        prefill = pods["prefill"]
+
+        def attempt(n: int) -> Any:
+            async def job() -> str | None:
+                sel = f"disaggpool.io/pod={prefill},disaggpool.io/attempt={n}"
+                items = _json(cluster, "jobs", "-n", ns, "-l", sel)["items"]
+                return str(items[0]["metadata"]["name"]) if items else None
+
+            return job
+
+        first = await eventually(attempt(1), "the prefill pod's first probe", 60, 0.5, log)
+        _play_failed_job(cluster, ns, first)
+        # Only the Job's own event can start the next pass here: nothing else changes.
+        second = await eventually(attempt(2), "a second probe after the first failed", 60, 0.5, log)
+        _play_failed_job(cluster, ns, second)
+
+        async def given_up() -> dict[str, Any] | None:
+            st = _json(cluster, "dpool", "small", "-n", ns).get("status") or {}
+            by_pod = {p["name"]: p for p in st.get("pods") or []}
+            got = by_pod.get(prefill) or {}
+            return got if got.get("calibration") == "failed" else None
+
+        got = await eventually(given_up, "the prefill pod marked failed", 60, 0.5, log)
+        assert "2 probe attempts failed" in str(got), got
+        await asyncio.sleep(2)  # no third attempt follows
+        assert await attempt(3)() is None
+        assert proc.returncode is None
+    finally:
+        await stop_operator(proc)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+@pytest.mark.asyncio
+async def test_a_job_holding_a_probes_name_without_its_labels_is_reported(
+    cluster: Cluster,
+) -> None:
+    """A Job the operator cannot find by its labels but whose name a probe needs is a Warning
+    event on the pool, not a silent skip (how a label drift once hid every probe Job)."""
+    from disaggpool.operator.names import PoolRef, job_name
+
+    ns = "squatted"
+    cluster.kubectl("create", "namespace", ns)
+    cr = load_sample("small.yaml")
+    cr["metadata"]["namespace"] = ns
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
+    kube = Kube.from_environment(str(cluster.kubeconfig))
+    try:
+        await reconcile(kube, ns, "small", default_image="disaggpool:test")
+
+        async def prefill() -> str | None:
+            pods = _pods(cluster, ns, "disaggpool.io/pool=small,disaggpool.io/role=prefill")
+            return str(pods[0]["metadata"]["name"]) if pods else None
+
+        pod = await eventually(prefill, "the prefill pod", 60, 0.5)
+        uid = _json(cluster, "dpool", "small", "-n", ns)["metadata"]["uid"]
+        squatter = job_name(PoolRef("small", ns, uid), pod, 1)
+        cluster.kubectl(
+            "create", "job", squatter, "-n", ns, "--image=busybox", "--", "true"
+        )  # fmt: skip
+        _play_kubelet(cluster, ns, pod, "198.18.0.51")
+        result = await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        assert squatter not in result.jobs_created
+        events = cluster.kubectl(
+            "get", "events", "-n", ns, "--field-selector", "involvedObject.name=small"
+        )
+        line = next((x for x in events.splitlines() if "CalibrationBlocked" in x), "")
+        assert "Warning" in line and squatter in line, events
+    finally:
+        await kube.close()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -20,7 +20,7 @@ from operator_testkit import MANIFESTS
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.profiles import dump_profile
 from disaggpool.kubeclient.paths import matches
-from disaggpool.labels import COMPONENT_CALIBRATION, COMPONENT_LABEL, POOL_LABEL
+from disaggpool.labels import PROBE_JOB_LABELS, of_pool
 from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
 from disaggpool.operator.names import PoolRef
 from disaggpool.operator.observed import (
@@ -160,7 +160,7 @@ def test_a_probe_job_carries_the_labels_the_operator_finds_its_jobs_by() -> None
         h for h in get_default_registry()._watching.get_all_handlers() if h.id == "_job_event"
     )
     for job in jobs:
-        assert matches(job, {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_CALIBRATION})
+        assert matches(job, of_pool(pool.name, PROBE_JOB_LABELS))
         labels = job["metadata"]["labels"]
         assert handler.labels is not None
         for key, want in handler.labels.items():

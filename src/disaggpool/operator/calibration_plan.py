@@ -17,12 +17,11 @@ from typing import Any
 from disaggpool.labels import (
     ATTEMPT_LABEL,
     COMPONENT_CALIBRATION,
-    COMPONENT_LABEL,
     POD_LABEL,
-    POOL_LABEL,
-    PROFILE_LABEL,
-    PROFILE_LABEL_VALUE,
+    PROBE_JOB_LABELS,
+    PROFILE_LABELS,
     format_selector,
+    of_pool,
 )
 from disaggpool.operator.names import (
     PoolRef,
@@ -64,15 +63,12 @@ def render_calibration_job(
     cm = profile_configmap_name(pool, pod.name)
     # No role label: `pool + role` selects a pool's engine pods (the operator, the router, the
     # scale subresource), and a running probe pod is none of them. Seen on a real node: probe
-    # pods counted as engines got probes of their own, without end. The component label is what
+    # pods counted as engines got probes of their own, without end. `PROBE_JOB_LABELS` is what
     # the operator finds its Jobs by (`reconcile`, the Job handler): without it a failed probe
     # went unnoticed, its pod `probing` for ever (seen on a real node too).
-    extra = {
-        COMPONENT_LABEL: COMPONENT_CALIBRATION,
-        POD_LABEL: pod.name,
-        ATTEMPT_LABEL: str(attempt),
-    }
-    labels = pool_labels(pool, COMPONENT_CALIBRATION, **extra)
+    which = {POD_LABEL: pod.name, ATTEMPT_LABEL: str(attempt)}
+    kind = of_pool(pool.name, PROBE_JOB_LABELS, **which)
+    labels = pool_labels(pool, COMPONENT_CALIBRATION, **kind)
     args = [
         "calibrate",
         "--endpoint",
@@ -84,9 +80,7 @@ def render_calibration_job(
         "--configmap",
         f"{pool.namespace}/{cm}",
         "--configmap-labels",
-        format_selector(
-            {POOL_LABEL: pool.name, POD_LABEL: pod.name, PROFILE_LABEL: PROFILE_LABEL_VALUE}
-        ),
+        format_selector(of_pool(pool.name, PROFILE_LABELS, **{POD_LABEL: pod.name})),
         "--out",
         "-",
         "--budget-seconds",

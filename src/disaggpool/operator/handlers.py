@@ -24,15 +24,13 @@ import kopf
 
 from disaggpool.kubeclient import ApiError, Kube
 from disaggpool.labels import (
-    COMPONENT_CALIBRATION,
-    COMPONENT_LABEL,
     GROUP,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     PLURAL,
     POOL_LABEL,
-    PROFILE_LABEL,
-    PROFILE_LABEL_VALUE,
+    PROBE_JOB_LABELS,
+    PROFILE_LABELS,
     VERSION,
 )
 from disaggpool.operator.reconcile import pool_path, reconcile
@@ -157,16 +155,12 @@ async def _pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> No
     _trigger_from_labels(namespace, labels)
 
 
-@kopf.on.event(
-    "v1", "configmaps", labels={POOL_LABEL: kopf.PRESENT, PROFILE_LABEL: PROFILE_LABEL_VALUE}
-)
+@kopf.on.event("v1", "configmaps", labels={POOL_LABEL: kopf.PRESENT, **PROFILE_LABELS})
 async def _profile_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)
 
 
-@kopf.on.event(
-    "batch", "v1", "jobs", labels={POOL_LABEL: kopf.PRESENT, COMPONENT_LABEL: COMPONENT_CALIBRATION}
-)
+@kopf.on.event("batch", "v1", "jobs", labels={POOL_LABEL: kopf.PRESENT, **PROBE_JOB_LABELS})
 async def _job_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _trigger_from_labels(namespace, labels)
 

@@ -23,7 +23,6 @@ from disaggpool.kubeclient import ApiError, Kube, path_for, pod_ready
 from disaggpool.labels import (
     API_VERSION,
     APPLIED_SPEC_ANNOTATION,
-    COMPONENT_CALIBRATION,
     COMPONENT_LABEL,
     COMPONENT_ROUTER,
     KIND,
@@ -31,9 +30,10 @@ from disaggpool.labels import (
     MANAGED_BY_LABEL,
     POD_LABEL,
     POOL_LABEL,
-    PROFILE_LABEL,
-    PROFILE_LABEL_VALUE,
+    PROBE_JOB_LABELS,
+    PROFILE_LABELS,
     SPEC_HASH_ANNOTATION,
+    of_pool,
 )
 from disaggpool.operator.calibration_plan import CalibrationPlan, plan_calibration
 from disaggpool.operator.names import PoolRef, owner_reference
@@ -209,14 +209,10 @@ async def reconcile(
             )
         applied_generation = pool.generation
 
-    profiles = {POOL_LABEL: name, PROFILE_LABEL: PROFILE_LABEL_VALUE}
     pods_raw, cms_raw, jobs_raw = await asyncio.gather(
         kube.list(path_for("v1", "Pod", namespace), {POOL_LABEL: name}),
-        kube.list(path_for("v1", "ConfigMap", namespace), profiles),
-        kube.list(
-            path_for("batch/v1", "Job", namespace),
-            {POOL_LABEL: name, COMPONENT_LABEL: COMPONENT_CALIBRATION},
-        ),
+        kube.list(path_for("v1", "ConfigMap", namespace), of_pool(name, PROFILE_LABELS)),
+        kube.list(path_for("batch/v1", "Job", namespace), of_pool(name, PROBE_JOB_LABELS)),
     )
     pods = [v for v in map(pod_view, pods_raw) if v is not None]
     router_ready = sum(
@@ -296,6 +292,15 @@ async def _execute(
         except ApiError as exc:
             if exc.status != 409:
                 raise
+            # The plan saw no such Job among the pool's probe Jobs, yet one holds the name: a Job
+            # this operator cannot find by its labels. Said aloud, because the probe it stands
+            # for is never watched (a label drift once hid every probe Job this way).
+            name = job["metadata"]["name"]
+            await note(
+                "CalibrationBlocked",
+                f"Job {name} exists without the labels of a probe Job; delete it to probe",
+                warning=True,
+            )
             continue
         result.jobs_created.append(job["metadata"]["name"])
         pod = job["metadata"]["labels"][POD_LABEL]

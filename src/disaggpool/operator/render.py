@@ -25,11 +25,11 @@ from disaggpool.labels import (
     GROUP,
     PLURAL,
     POOL_LABEL,
-    PROFILE_LABEL,
-    PROFILE_LABEL_VALUE,
+    PROFILE_LABELS,
     ROLE_LABEL,
     VARIANT_LABEL,
     format_selector,
+    of_pool,
 )
 from disaggpool.operator.names import (
     KV_EVENTS_PORT,
@@ -287,9 +287,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "profiles": {
             "kubernetes": {
                 "namespace": pool.namespace,
-                "selector": format_selector(
-                    {POOL_LABEL: pool.name, PROFILE_LABEL: PROFILE_LABEL_VALUE}
-                ),
+                "selector": format_selector(of_pool(pool.name, PROFILE_LABELS)),
             }
         },
     }
