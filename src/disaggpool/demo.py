@@ -124,6 +124,8 @@ TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10
 SCRAPE_INTERVAL_S = 0.5  # the sidecars' scrape interval, which the simulator plays too
+# The sidecar's default, named here so the simulated side binds as the real one does.
+DECODE_BINDING = "late"
 SEARCH_BRACKET = (0.5, 40.0)  # req/s: the operating-point search's bracket
 SEARCH_STEPS = 14  # bisection steps: the bracket narrowed to 2.4 milli-req/s
 
@@ -266,7 +268,11 @@ def simulated_run(
         seed=seed,
         jitter=JITTER,
         # what the sidecar below runs: its scrape interval and the policy's default switches
-        router=RouterOptions(scrape_interval_s=SCRAPE_INTERVAL_S, prefix_index=prefix),
+        router=RouterOptions(
+            scrape_interval_s=SCRAPE_INTERVAL_S,
+            prefix_index=prefix,
+            late_binding=DECODE_BINDING == "late",
+        ),
         options=default_options(policy),
         prefix_caching=prefix,
     )
@@ -609,6 +615,7 @@ def serve_policy(
         "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
         "slo_classes": [{"name": slo.name, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}],
         "scrape_interval_s": SCRAPE_INTERVAL_S,
+        "decode_binding": DECODE_BINDING,
         "tokenizer": {"kind": "emulator"},
         "pool": {
             "static": {

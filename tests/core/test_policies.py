@@ -57,6 +57,19 @@ def test_round_robin_cycles_both_pools_independently() -> None:
     assert [d.prefill for d in picks] == ["p0", "p1"] * 3
 
 
+def test_round_robin_takes_turns_over_the_decode_pods_it_binds_late() -> None:
+    # Late binding asks `route` (whose decode pod is discarded) and then `route_decode`; the
+    # kept decode pods must still take turns (a shared cursor skipped every second one).
+    policy = make_policy("round_robin")
+    snap = pool([decode("d0"), decode("d1")])
+    kept = []
+    for _ in range(4):
+        arrival = policy.route(REQ, snap, random.Random(0))
+        assert arrival.prefill is not None
+        kept.append(policy.route_decode(REQ, snap, random.Random(0), arrival.prefill, 0.5).decode)
+    assert kept == ["d0", "d1"] * 2
+
+
 def test_least_loaded_counts_requests() -> None:
     snap = pool(
         [decode("d0", inflight=5), decode("d1", inflight=2), decode("d2", inflight=9)],

@@ -154,10 +154,15 @@ def test_fuzzed_bytes_get_invalid_argument_and_the_server_stays_up(router, paylo
 
 def test_late_binding_and_the_local_path_over_grpc(start_pool, start_sidecar) -> None:
     pool = start_pool([A40], [A40, A40])
-    late = start_sidecar(pool, decode_binding="late")
+    late = start_sidecar(pool)  # decode_binding: late is the default
     with grpc.insecure_channel(late.grpc_target) as channel:
         stub = pb_grpc.RouterStub(channel)
-        resp = stub.Route(pb.RouteRequest(request_id="l1", prompt_tokens=400))
+        # A client that does not say it will call BindDecode gets both pods at once.
+        now = stub.Route(pb.RouteRequest(request_id="a1", prompt_tokens=400))
+        assert now.HasField("prefill") and now.HasField("decode")
+        resp = stub.Route(
+            pb.RouteRequest(request_id="l1", prompt_tokens=400, bind_decode_late=True)
+        )
         assert resp.HasField("prefill") and not resp.HasField("decode")
         bound = stub.BindDecode(pb.BindDecodeRequest(request_id="l1"))
         assert bound.prefill.name == "p0" and bound.decode.name in ("d0", "d1")
@@ -169,6 +174,12 @@ def test_late_binding_and_the_local_path_over_grpc(start_pool, start_sidecar) ->
         with pytest.raises(grpc.RpcError) as err:
             stub.BindDecode(pb.BindDecodeRequest(request_id="never-routed"))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    arrival = start_sidecar(pool, decode_binding="arrival")  # binds at once, asked or not
+    with grpc.insecure_channel(arrival.grpc_target) as channel:
+        resp = pb_grpc.RouterStub(channel).Route(
+            pb.RouteRequest(request_id="a2", prompt_tokens=400, bind_decode_late=True)
+        )
+        assert resp.HasField("prefill") and resp.HasField("decode")
     local = start_sidecar(pool, local_prefill_below=10_000)
     with grpc.insecure_channel(local.grpc_target) as channel:
         resp = pb_grpc.RouterStub(channel).Route(pb.RouteRequest(request_id="x", prompt_tokens=50))

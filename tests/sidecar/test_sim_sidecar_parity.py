@@ -152,7 +152,7 @@ def replay(
         elif kind == "routed":
             _, t, rid, prompt, prefill, decode, priority = event
             now[0] = t
-            routed = service.route(rid, prompt)
+            routed = service.route(rid, prompt, bind_late=True)  # as the front door does
             got = (
                 routed.prefill.name if routed.prefill else None,
                 routed.decode.name if routed.decode else None,
@@ -228,7 +228,7 @@ def test_a_late_bound_request_books_its_decode_pod_only_when_bound() -> None:
     service.state.set_members(members)
     for s in specs:
         service.state.set_profile(s.name, s.believed_profile, 0.0)
-    routed = service.route("r0", 700)
+    routed = service.route("r0", 700, bind_late=True)
     assert routed.prefill is not None and routed.decode is None
     snap = service.state.snapshot(0.0)
     assert snap.prefill[0].queued_tokens == 700

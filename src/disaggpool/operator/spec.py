@@ -162,7 +162,7 @@ class RouterSpec:
     predictor: str = "online"
     scrape_interval_s: float = 1.0
     max_inflight: int = 512
-    decode_binding: str = "arrival"
+    decode_binding: str = "late"
     pd_decider: bool = False
     local_prefill_below: int = 0
     prefix_index: bool = False
@@ -385,7 +385,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         predictor=rt.string("predictor", "online"),
         scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
         max_inflight=rt.integer("maxInflight", 512, minimum=1),
-        decode_binding=rt.string("decodeBinding", "arrival"),
+        decode_binding=rt.string("decodeBinding", "late"),
         pd_decider=rt.boolean("pdDecider", default_options(policy).pd_decider),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         prefix_index=rt.boolean("prefixIndex", False),

@@ -137,7 +137,7 @@ class SidecarConfig:
     members_kubernetes: KubernetesSource | None = None
     profiles_dir: str = ""
     profiles_kubernetes: KubernetesSource | None = None
-    decode_binding: Literal["arrival", "late"] = "arrival"
+    decode_binding: Literal["arrival", "late"] = "late"
     prefix_index: bool = False
     kv_events: KVEventsSource | None = None
     autoscaling: AutoscalingConfig | None = None
@@ -240,7 +240,7 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
     kwargs.update(_pool(rd, top.get("pool"), base))
     kwargs.update(_profiles(rd, top.get("profiles", {}), base))
-    binding = top.get("decode_binding", "arrival")
+    binding = top.get("decode_binding", "late")
     if binding not in ("arrival", "late"):
         raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
     kwargs["decode_binding"] = binding

@@ -248,6 +248,7 @@ class FrontDoor:
                 slo,
                 max_tokens=max_tokens,
                 token_ids=prompt_seen.ids,
+                bind_late=True,  # the front door runs both legs: it can choose the decode pod last
             )
         except ServiceError as exc:
             return self._refused(exc)

@@ -107,6 +107,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 max_tokens=request.max_tokens or None,
                 exclude_prefill=tuple(request.exclude_prefill),
                 token_ids=prompt.ids,
+                bind_late=request.bind_decode_late,
             )
         except ServiceError as exc:
             await self._abort(context, exc)

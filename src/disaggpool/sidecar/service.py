@@ -3,7 +3,9 @@
 `route` predicts the output length, snapshots the pool, asks the configured policy (the very
 `core.policies` object the simulator runs) for a (prefill, decode) pair and books the request in
 flight; the pair may lack its prefill pod (the P/D decider's local path: the decode pod prefills)
-or, with `decode_binding: late`, its decode pod until the prefill leg returns (`bind_decode`);
+or, when the caller can take a late answer (`bind_late`: the front door always, a gRPC client
+that says so) and `decode_binding` is `late` (the default), its decode pod until the prefill leg
+returns (`bind_decode`);
 `prefilled` / `progress` / `finished` / `failed` move it through its life, feed the output-length
 predictor, the goodput, heterogeneity and demand signals and the predicted-vs-observed error, per
 pod in `drift` (`core.drift`). A re-probe's profile that is not trusted does not replace a trusted
@@ -159,7 +161,10 @@ class RoutingService:
         max_tokens: int | None = None,
         exclude_prefill: Collection[str] = (),
         token_ids: Sequence[int] | None = None,
+        bind_late: bool = False,
     ) -> Routed:
+        """Route one request. `bind_late`: the caller will call `bind_decode` when the prefill
+        leg answers, so the decode pod may be chosen then (when `decode_binding` is `late`)."""
         if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             raise BadRequest("must be 1-128 printable characters", "request_id")
         if prompt_tokens < 1:
@@ -202,7 +207,7 @@ class RoutingService:
                 f"class {slo.name!r} is sheddable and no pod can serve this request within its "
                 f"SLO now (predicted TTFT {decision.predicted_ttft_s or 0.0:.3f} s)"
             )
-        late = self.config.decode_binding == "late" and decision.prefill is not None
+        late = bind_late and self.config.decode_binding == "late" and decision.prefill is not None
         self._account(decision, bound=not late)
         p = self.state.instances[decision.prefill] if decision.prefill is not None else None
         d = None if late else self.state.instances[decision.decode]
@@ -283,6 +288,7 @@ class RoutingService:
             max_tokens=routed.max_tokens,
             exclude_prefill=exclude_prefill,
             token_ids=routed.token_ids,
+            bind_late=routed.decode is None,
         )
 
     def _pool(self, now: float, exclude_prefill: Collection[str]) -> PoolSnapshot:

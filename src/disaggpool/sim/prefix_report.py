@@ -30,8 +30,8 @@ def tables(doc: dict[str, Any]) -> str:
 
 
 def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
-    """One PNG per trace: goodput and hit share per policy, a group per pool x cache, error
-    bars over seeds."""
+    """One PNG per trace: goodput and hit share per policy, a group per pool x cache x decode
+    pool size, error bars over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,24 +42,24 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     written = []
     for trace in dict.fromkeys(r["trace"] for r in rows):
         mine = [r for r in rows if r["trace"] == trace]
-        groups = list(dict.fromkeys((r["pool"], r["cache"]) for r in mine))
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        groups = list(dict.fromkeys((r["pool"], r["cache"], r["decode_pods"]) for r in mine))
+        fig, axes = plt.subplots(1, 2, figsize=(14, 4.2))
         width = 0.8 / len(POLICIES)
         for k, label in enumerate(POLICIES):
             for ax, metric in zip(axes, ("goodput", "prefix_hit"), strict=True):
                 means, errs = [], []
-                for pool, cache in groups:
+                for group in groups:
                     vals = [
                         r[metric]
                         for r in mine
-                        if (r["pool"], r["cache"], r["policy"]) == (pool, cache, label)
+                        if (r["pool"], r["cache"], r["decode_pods"], r["policy"]) == (*group, label)
                     ]
                     means.append(statistics.mean(vals) if vals else 0.0)
                     errs.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
                 xs = [g + (k - (len(POLICIES) - 1) / 2) * width for g in range(len(groups))]
                 ax.bar(xs, means, width, yerr=errs, label=label, capsize=2)
         for ax, title in zip(axes, ("goodput", "prefix-cache hit share"), strict=True):
-            ax.set_xticks(range(len(groups)), [f"{p}\n{c}" for p, c in groups])
+            ax.set_xticks(range(len(groups)), [f"{p}\n{c}\n{d} decode" for p, c, d in groups])
             ax.set_title(f"{trace}: {title}")
             ax.set_ylim(0, 1.05)
         axes[0].legend(fontsize=7, loc="lower left")

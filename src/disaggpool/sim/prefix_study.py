@@ -1,7 +1,7 @@
 """`disaggpool sim prefix`: prefix-cache-aware routing on traffic that reuses prompt prefixes.
 
 One experiment, `experiments.prefix` in the JSON: every case is a trace x a prefill pool x a
-cache size, run at its own operating point, with every policy and seed.
+cache size x a decode pool size, run at its own operating point, with every policy and seed.
 
 * Traces: `mooncake` (the embedded Mooncake conversation trace, prompts clipped to 7,680 tokens
   and outputs to 512 so they fit the profile's 8,192-token context: 15 blocks of 512 at most,
@@ -10,13 +10,19 @@ cache size, run at its own operating point, with every policy and seed.
   `sim.prefix_workload`), and `azure` (the Azure 2023 conversation trace, no block ids: nothing
   to hit, what the cache term costs when there is nothing to gain).
 * Pools: 8 prefill instances of `a40-llama3-8b`, `hetero` with every second one 1.6x as fast,
-  or `homo`; 6 decode instances (prefill decides on Mooncake and the sessions; at Azure's much
-  higher rate of short prompts the decode pool does). The router scrapes every second.
+  or `homo`; 6 or 10 decode instances. With 6, Mooncake's long prompts fill the decode pods' KV
+  first: at the operating point nearly every miss is a request that waited for room on a decode
+  pod after its prefill, so the prefill pool, which this experiment is about, hardly matters
+  (on the heterogeneous pool no request missed its TTFT in the prefill). With 10 the prefill
+  pool limits. Both are reported: the first is where KV balance decides, the second where
+  prefix placement and prefill speed do. The router scrapes every second.
 * Cache sizes: `gpu`, the prefill instances' own KV capacity (190,000 tokens); `offload`, eight
   times that (a CPU/disk tier as large as LMCache-style offloading gives), applied to the
   engines and to what the router believes alike.
 * Load: the rate at which the best cache-blind baseline (`least_loaded` or `length`, whichever
   carries more) attains 0.85 goodput, by the one operating-point search.
+* Binding: each policy chooses the decode instance when its router does (`POLICIES`): ours
+  when the prefill leg answers, the front door's default; the peers as their routers do.
 * Policies: cache-blind `least_loaded`, `length` and `calibrated_blind` (our calibrated policy
   with a router that keeps no prefix index); cache-aware `cache_aware` (vLLM's router),
   `dynamo_kv` (Dynamo's KV router) and `llmd_weighted` (llm-d's weighted prefix, KV and queue
@@ -25,9 +31,10 @@ cache size, run at its own operating point, with every policy and seed.
   prefix in seconds, with its P/D decider on (its default) and off (`calibrated_no_pd`). The
   engines cache prompt blocks in every run: only what the router knows differs.
 
-Rows: ``{"trace", "pool", "cache", "cache_blocks", "policy", "seed", "rate_rps", "goodput",
-"prefix_hit", "ttft_p99_s", ...}`` (the runner's row plus these). Findings: per case the mean
-goodput and hit share of each policy, and calibrated's gap to the best policy not ours.
+Rows: ``{"trace", "pool", "cache", "cache_blocks", "decode_pods", "policy", "seed", "rate_rps",
+"goodput", "prefix_hit", "ttft_p99_s", ...}`` (the runner's row plus these). Findings: per case
+the mean goodput and hit share of each policy, and calibrated's gap to the best policy not
+ours.
 """
 
 from __future__ import annotations
@@ -61,16 +68,21 @@ BLIND = ("least_loaded", "length")
 # Where each trace's operating point is searched (req/s): wide enough for both pool kinds.
 BRACKETS = {"mooncake": (0.5, 20.0), "sessions": (2.0, 60.0), "azure": (5.0, 200.0)}
 
-# Row label -> (policy, the router keeps a prefix index, the P/D decider is on)
-POLICIES: dict[str, tuple[str, bool, bool]] = {
-    "least_loaded": ("least_loaded", False, False),
-    "length": ("length", False, False),
-    "calibrated_blind": ("calibrated", False, True),
-    "cache_aware": ("cache_aware", True, False),
-    "dynamo_kv": ("dynamo_kv", True, False),
-    "llmd_weighted": ("llmd_weighted", True, False),
-    "calibrated": ("calibrated", True, True),
-    "calibrated_no_pd": ("calibrated", True, False),
+# Row label -> (policy, the router keeps a prefix index, the P/D decider is on, the decode pod is
+# chosen when the prefill leg answers). Each binds as its router does: ours (and the cache-blind
+# baselines, run in our front door) late, our default; Dynamo's PrefillRouter also chooses the
+# decode worker after the prefill (its disaggregation design document); vllm-router chooses the
+# pair up front (the request id it sends to the prefill pod names the decode pod), and so does
+# llm-d's endpoint picker (one scheduling cycle picks both).
+POLICIES: dict[str, tuple[str, bool, bool, bool]] = {
+    "least_loaded": ("least_loaded", False, False, True),
+    "length": ("length", False, False, True),
+    "calibrated_blind": ("calibrated", False, True, True),
+    "cache_aware": ("cache_aware", True, False, False),
+    "dynamo_kv": ("dynamo_kv", True, False, True),
+    "llmd_weighted": ("llmd_weighted", True, False, False),
+    "calibrated": ("calibrated", True, True, True),
+    "calibrated_no_pd": ("calibrated", True, False, True),
 }
 
 
@@ -83,39 +95,45 @@ class PrefixConfig:
     traces: tuple[str, ...] = ("mooncake", "sessions", "azure")
     pools: tuple[str, ...] = ("hetero", "homo")
     caches: tuple[str, ...] = ("gpu", "offload")
+    decode_pools: tuple[int, ...] = (6, 10)
     search_steps: int = 8
     n_prefill: int = 8
-    n_decode: int = 6
 
     @classmethod
     def quick(cls) -> PrefixConfig:
-        return cls(requests=1200, seeds=(1,), search_steps=6)
+        return cls(requests=800, seeds=(1,), search_steps=5)
 
 
 def run_prefix(
     cfg: PrefixConfig, *, workers: int | None = None, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Every case at its operating point, every policy and seed; the JSON document."""
-    cases = [(t, p, c) for t in cfg.traces for p in cfg.pools for c in cfg.caches]
+    cases = [
+        (t, p, c, d)
+        for t in cfg.traces
+        for p in cfg.pools
+        for c in cfg.caches
+        for d in cfg.decode_pools
+    ]
     traces = {name: _trace(name, cfg.requests) for name in cfg.traces}
     problems = [
         SearchProblem(
-            _spec(cfg, traces[t], t, p, c, policy, cfg.seeds[0]),
+            _spec(cfg, traces[t], t, p, c, d, policy, cfg.seeds[0]),
             0.85,
             low=BRACKETS[t][0],
             high=BRACKETS[t][1],
         )
-        for t, p, c in cases
+        for t, p, c, d in cases
         for policy in BLIND
     ]
     rates = operating_rates(problems, steps=cfg.search_steps, workers=workers, progress=progress)
     specs = []
-    for k, (t, p, c) in enumerate(cases):
+    for k, (t, p, c, d) in enumerate(cases):
         rate = max(rates[k * len(BLIND) : (k + 1) * len(BLIND)])
         trace = tuple(workload.rescale(traces[t], rate))
         for label in POLICIES:
             for seed in cfg.seeds:
-                spec = _spec(cfg, trace, t, p, c, label, seed)
+                spec = _spec(cfg, trace, t, p, c, d, label, seed)
                 specs.append(dataclasses.replace(spec, extra=(*spec.extra, ("rate_rps", rate))))
     rows = run_all(specs, workers=workers, progress=staged(progress, "runs", len(specs)))
     return {
@@ -129,9 +147,9 @@ def findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per case: mean goodput and hit share by policy, and calibrated's gap to the best policy
     that is not one of ours."""
     out: dict[str, Any] = {}
-    keys = sorted({(r["trace"], r["pool"], r["cache"]) for r in rows})
+    keys = sorted({(r["trace"], r["pool"], r["cache"], r["decode_pods"]) for r in rows})
     for key in keys:
-        mine = [r for r in rows if (r["trace"], r["pool"], r["cache"]) == key]
+        mine = [r for r in rows if (r["trace"], r["pool"], r["cache"], r["decode_pods"]) == key]
         means = {
             label: round(statistics.mean(r["goodput"] for r in mine if r["policy"] == label), 4)
             for label in POLICIES
@@ -143,7 +161,8 @@ def findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         }
         others = {k: v for k, v in means.items() if not k.startswith("calibrated")}
         best = max(others, key=lambda k: others[k])
-        out["/".join(key)] = {
+        trace, pool, cache, decode_pods = key
+        out[f"{trace}/{pool}/{cache}/{decode_pods}d"] = {
             "rate_rps": round(mine[0]["rate_rps"], 3),
             "means": means,
             "prefix_hit": hits,
@@ -159,12 +178,13 @@ def _spec(
     trace_name: str,
     pool: str,
     cache: str,
+    decode_pods: int,
     label: str,
     seed: int,
 ) -> RunSpec:
-    policy, index, pd_decider = POLICIES[label]
+    policy, index, pd_decider, late = POLICIES[label]
     scale = 8 if cache == "offload" else 1
-    instances = _pool(cfg, pool, scale)
+    instances = _pool(cfg, pool, scale, decode_pods)
     capacity = instances[0].true_profile.kv_capacity_tokens
     return RunSpec(
         "prefix",
@@ -174,17 +194,24 @@ def _spec(
         SLO,
         policy,
         seed,
-        router=RouterOptions(scrape_interval_s=1.0, prefix_index=index),
+        router=RouterOptions(scrape_interval_s=1.0, prefix_index=index, late_binding=late),
         options=PolicyOptions(pd_decider=pd_decider),
         label=label,
         prefix_caching=True,
-        extra=(("pool", pool), ("cache", cache), ("cache_blocks", capacity // 512)),
+        extra=(
+            ("pool", pool),
+            ("cache", cache),
+            ("cache_blocks", capacity // 512),
+            ("decode_pods", decode_pods),
+        ),
     )
 
 
-def _pool(cfg: PrefixConfig, kind: str, cache_scale: int) -> tuple[InstanceSpec, ...]:
+def _pool(
+    cfg: PrefixConfig, kind: str, cache_scale: int, decode_pods: int
+) -> tuple[InstanceSpec, ...]:
     """`cfg.n_prefill` prefill instances (every second one `FAST` times as fast in `hetero`),
-    their KV capacity times `cache_scale`, and `cfg.n_decode` decode instances; the router's
+    their KV capacity times `cache_scale`, and `decode_pods` decode instances; the router's
     beliefs carry the usual 3% fit error."""
     base = builtin_profile(PROFILE)
     rng = random.Random(f"prefix-pool:{kind}:{cache_scale}")
@@ -193,7 +220,7 @@ def _pool(cfg: PrefixConfig, kind: str, cache_scale: int) -> tuple[InstanceSpec,
         speed = FAST if kind == "hetero" and i % 2 else 1.0
         true = _with_capacity(base.scaled(speed, name=f"prefill-{i}"), cache_scale)
         out.append(InstanceSpec(true.name, "prefill", true, perturbed(true, rng, 0.03)))
-    for i in range(cfg.n_decode):
+    for i in range(decode_pods):
         true = base.scaled(1.0, name=f"decode-{i}")
         out.append(InstanceSpec(true.name, "decode", true, perturbed(true, rng, 0.03)))
     return tuple(out)

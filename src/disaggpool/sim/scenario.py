@@ -198,7 +198,7 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             "priority_scheduling",
         },
     )
-    binding = r.get("decode_binding", "arrival")
+    binding = r.get("decode_binding", "late")  # the sidecar's default
     if binding not in ("arrival", "late"):
         raise rd.fail("router.decode_binding", f"must be arrival or late, got {binding!r}")
     below = r.get("local_prefill_below", 0)

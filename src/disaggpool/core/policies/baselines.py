@@ -33,6 +33,7 @@ class _Baseline:
     """Independent prefill and decode choices; subclasses say how to pick one instance."""
 
     name = ""
+    _bound_role = "decode"  # the role `route_decode` names to `_pick` (late binding)
 
     def _pick(
         self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
@@ -52,7 +53,7 @@ class _Baseline:
         prefill: str,
         elapsed_s: float,
     ) -> RouteDecision:
-        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
+        d = self._pick(healthy(pool.decode, "decode"), self._bound_role, rng)
         return with_predictions(self.name, req, find(pool.prefill, prefill), d, elapsed_s)
 
 
@@ -60,7 +61,11 @@ class RoundRobin(_Baseline):
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._next = {"prefill": 0, "decode": 0}
+        # Late binding asks `route` for a decode pod it then discards, and `route_decode` for the
+        # one it keeps: each has its own cursor, so the kept ones take turns in binding order.
+        self._next = {"prefill": 0, "decode": 0, "bound": 0}
+
+    _bound_role = "bound"
 
     def _pick(
         self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random

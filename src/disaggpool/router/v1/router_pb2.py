@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!disaggpool/router/v1/router.proto\x12\x14\x64isaggpool.router.v1\"\x8e\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x11\n\tslo_class\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x65xclude_prefill\x18\x06 \x03(\t\"\'\n\x11\x42indDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x08\x45ndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\"\x91\x03\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1e.disaggpool.router.v1.Endpoint\x12.\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x1e.disaggpool.router.v1.Endpoint\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x11\n\tslo_class\x18\x05 \x01(\t\x12\x1f\n\x17predicted_output_tokens\x18\x06 \x01(\x01\x12\x1d\n\x10predicted_ttft_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10predicted_tpot_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cslo_feasible\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x0f\n\x07guarded\x18\n \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x42\x13\n\x11_predicted_ttft_sB\x13\n\x11_predicted_tpot_sB\x0f\n\r_slo_feasible\"\x95\x01\n\rReportRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05stage\x18\x02 \x01(\x0e\x32\x1b.disaggpool.router.v1.Stage\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\x1f\n\x0eReportResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x18\n\x16GetPoolSnapshotRequest\"\xf3\x02\n\rInstanceState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x07 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x10\n\x08inflight\x18\t \x01(\r\x12\x0e\n\x06queued\x18\n \x01(\r\x12\x15\n\rqueued_tokens\x18\x0b \x01(\x04\x12\x1f\n\x17remaining_output_tokens\x18\x0c \x01(\x01\x12\x14\n\x0cprofile_name\x18\r \x01(\t\x12\x17\n\x0fprofile_quality\x18\x0e \x01(\t\x12\x15\n\rprofile_age_s\x18\x0f \x01(\x01\x12\x17\n\x0fprofile_trusted\x18\x10 \x01(\x08\x12\x19\n\x11last_scrape_age_s\x18\x11 \x01(\x01\"\xba\x01\n\x0cPoolSnapshot\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x34\n\x07prefill\x18\x02 \x03(\x0b\x32#.disaggpool.router.v1.InstanceState\x12\x33\n\x06\x64\x65\x63ode\x18\x03 \x03(\x0b\x32#.disaggpool.router.v1.InstanceState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x1d\n\x15traffic_heterogeneity\x18\x05 \x01(\x01*m\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTAGE_PREFILLED\x10\x01\x12\x12\n\x0eSTAGE_DECODING\x10\x02\x12\x12\n\x0eSTAGE_FINISHED\x10\x03\x12\x10\n\x0cSTAGE_FAILED\x10\x04\x32\xf0\x02\n\x06Router\x12P\n\x05Route\x12\".disaggpool.router.v1.RouteRequest\x1a#.disaggpool.router.v1.RouteResponse\x12Z\n\nBindDecode\x12\'.disaggpool.router.v1.BindDecodeRequest\x1a#.disaggpool.router.v1.RouteResponse\x12S\n\x06Report\x12#.disaggpool.router.v1.ReportRequest\x1a$.disaggpool.router.v1.ReportResponse\x12\x63\n\x0fGetPoolSnapshot\x12,.disaggpool.router.v1.GetPoolSnapshotRequest\x1a\".disaggpool.router.v1.PoolSnapshotb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!disaggpool/router/v1/router.proto\x12\x14\x64isaggpool.router.v1\"\xa8\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x11\n\tslo_class\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x65xclude_prefill\x18\x06 \x03(\t\x12\x18\n\x10\x62ind_decode_late\x18\x07 \x01(\x08\"\'\n\x11\x42indDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x08\x45ndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\"\x91\x03\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07prefill\x18\x02 \x01(\x0b\x32\x1e.disaggpool.router.v1.Endpoint\x12.\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x1e.disaggpool.router.v1.Endpoint\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x11\n\tslo_class\x18\x05 \x01(\t\x12\x1f\n\x17predicted_output_tokens\x18\x06 \x01(\x01\x12\x1d\n\x10predicted_ttft_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10predicted_tpot_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cslo_feasible\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x0f\n\x07guarded\x18\n \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x42\x13\n\x11_predicted_ttft_sB\x13\n\x11_predicted_tpot_sB\x0f\n\r_slo_feasible\"\x95\x01\n\rReportRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05stage\x18\x02 \x01(\x0e\x32\x1b.disaggpool.router.v1.Stage\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\x1f\n\x0eReportResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x18\n\x16GetPoolSnapshotRequest\"\xf3\x02\n\rInstanceState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x07 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x10\n\x08inflight\x18\t \x01(\r\x12\x0e\n\x06queued\x18\n \x01(\r\x12\x15\n\rqueued_tokens\x18\x0b \x01(\x04\x12\x1f\n\x17remaining_output_tokens\x18\x0c \x01(\x01\x12\x14\n\x0cprofile_name\x18\r \x01(\t\x12\x17\n\x0fprofile_quality\x18\x0e \x01(\t\x12\x15\n\rprofile_age_s\x18\x0f \x01(\x01\x12\x17\n\x0fprofile_trusted\x18\x10 \x01(\x08\x12\x19\n\x11last_scrape_age_s\x18\x11 \x01(\x01\"\xba\x01\n\x0cPoolSnapshot\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x34\n\x07prefill\x18\x02 \x03(\x0b\x32#.disaggpool.router.v1.InstanceState\x12\x33\n\x06\x64\x65\x63ode\x18\x03 \x03(\x0b\x32#.disaggpool.router.v1.InstanceState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x1d\n\x15traffic_heterogeneity\x18\x05 \x01(\x01*m\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTAGE_PREFILLED\x10\x01\x12\x12\n\x0eSTAGE_DECODING\x10\x02\x12\x12\n\x0eSTAGE_FINISHED\x10\x03\x12\x10\n\x0cSTAGE_FAILED\x10\x04\x32\xf0\x02\n\x06Router\x12P\n\x05Route\x12\".disaggpool.router.v1.RouteRequest\x1a#.disaggpool.router.v1.RouteResponse\x12Z\n\nBindDecode\x12\'.disaggpool.router.v1.BindDecodeRequest\x1a#.disaggpool.router.v1.RouteResponse\x12S\n\x06Report\x12#.disaggpool.router.v1.ReportRequest\x1a$.disaggpool.router.v1.ReportResponse\x12\x63\n\x0fGetPoolSnapshot\x12,.disaggpool.router.v1.GetPoolSnapshotRequest\x1a\".disaggpool.router.v1.PoolSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disaggpool.router.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGE']._serialized_start=1462
-  _globals['_STAGE']._serialized_end=1571
+  _globals['_STAGE']._serialized_start=1488
+  _globals['_STAGE']._serialized_end=1597
   _globals['_ROUTEREQUEST']._serialized_start=60
-  _globals['_ROUTEREQUEST']._serialized_end=202
-  _globals['_BINDDECODEREQUEST']._serialized_start=204
-  _globals['_BINDDECODEREQUEST']._serialized_end=243
-  _globals['_ENDPOINT']._serialized_start=245
-  _globals['_ENDPOINT']._serialized_end=282
-  _globals['_ROUTERESPONSE']._serialized_start=285
-  _globals['_ROUTERESPONSE']._serialized_end=686
-  _globals['_REPORTREQUEST']._serialized_start=689
-  _globals['_REPORTREQUEST']._serialized_end=838
-  _globals['_REPORTRESPONSE']._serialized_start=840
-  _globals['_REPORTRESPONSE']._serialized_end=871
-  _globals['_GETPOOLSNAPSHOTREQUEST']._serialized_start=873
-  _globals['_GETPOOLSNAPSHOTREQUEST']._serialized_end=897
-  _globals['_INSTANCESTATE']._serialized_start=900
-  _globals['_INSTANCESTATE']._serialized_end=1271
-  _globals['_POOLSNAPSHOT']._serialized_start=1274
-  _globals['_POOLSNAPSHOT']._serialized_end=1460
-  _globals['_ROUTER']._serialized_start=1574
-  _globals['_ROUTER']._serialized_end=1942
+  _globals['_ROUTEREQUEST']._serialized_end=228
+  _globals['_BINDDECODEREQUEST']._serialized_start=230
+  _globals['_BINDDECODEREQUEST']._serialized_end=269
+  _globals['_ENDPOINT']._serialized_start=271
+  _globals['_ENDPOINT']._serialized_end=308
+  _globals['_ROUTERESPONSE']._serialized_start=311
+  _globals['_ROUTERESPONSE']._serialized_end=712
+  _globals['_REPORTREQUEST']._serialized_start=715
+  _globals['_REPORTREQUEST']._serialized_end=864
+  _globals['_REPORTRESPONSE']._serialized_start=866
+  _globals['_REPORTRESPONSE']._serialized_end=897
+  _globals['_GETPOOLSNAPSHOTREQUEST']._serialized_start=899
+  _globals['_GETPOOLSNAPSHOTREQUEST']._serialized_end=923
+  _globals['_INSTANCESTATE']._serialized_start=926
+  _globals['_INSTANCESTATE']._serialized_end=1297
+  _globals['_POOLSNAPSHOT']._serialized_start=1300
+  _globals['_POOLSNAPSHOT']._serialized_end=1486
+  _globals['_ROUTER']._serialized_start=1600
+  _globals['_ROUTER']._serialized_end=1968
 # @@protoc_insertion_point(module_scope)

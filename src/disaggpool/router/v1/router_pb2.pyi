@@ -21,20 +21,22 @@ STAGE_FINISHED: Stage
 STAGE_FAILED: Stage
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "prompt_text", "slo_class", "max_tokens", "exclude_prefill")
+    __slots__ = ("request_id", "prompt_tokens", "prompt_text", "slo_class", "max_tokens", "exclude_prefill", "bind_decode_late")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    BIND_DECODE_LATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     prompt_text: str
     slo_class: str
     max_tokens: int
     exclude_prefill: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ..., slo_class: _Optional[str] = ..., max_tokens: _Optional[int] = ..., exclude_prefill: _Optional[_Iterable[str]] = ...) -> None: ...
+    bind_decode_late: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ..., slo_class: _Optional[str] = ..., max_tokens: _Optional[int] = ..., exclude_prefill: _Optional[_Iterable[str]] = ..., bind_decode_late: _Optional[bool] = ...) -> None: ...
 
 class BindDecodeRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -68,8 +68,9 @@ class RouterServicer:
         from this moment until a FINISHED or FAILED report (or the in-flight lease expires).
         Two answers leave a pod out: no `prefill` when the decode pod is to prefill the prompt itself
         (the P/D decider's local path: send the request to the decode pod as is, without
-        kv_transfer_params); no `decode` when the router binds the decode pod late (config
-        `decode_binding: late`): run the prefill leg, then call BindDecode.
+        kv_transfer_params); no `decode` when the router binds the decode pod late (the request
+        asks for it with `bind_decode_late` and the config's `decode_binding` is `late`, its
+        default): run the prefill leg, then call BindDecode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
