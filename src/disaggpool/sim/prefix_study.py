@@ -101,7 +101,7 @@ class PrefixConfig:
 
     @classmethod
     def quick(cls) -> PrefixConfig:
-        return cls(requests=800, seeds=(1,), search_steps=5)
+        return cls(requests=600, seeds=(1,), search_steps=5)
 
 
 def run_prefix(
