@@ -4,11 +4,13 @@
 `execute` turns it into one JSON row: the row schema shared by `sim paper` and `sim run`.
 `run_all` executes many specs (these, or another experiment's with its own `run`) on a process
 pool with a progress bar and returns rows in spec order, so the output does not depend on the
-number of workers.
+number of workers. A worker that dies (killed for memory, say) fails the whole call with
+`BrokenProcessPool` instead of leaving it waiting for a row that never comes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
@@ -136,17 +138,18 @@ def run_all(
         return rows
     ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     rows_by_index: dict[int, dict[str, Any]] = {}
-    with ctx.Pool(workers) as pool:
-        # Longest runs first keeps both cores busy until the end.
-        order = sorted(
-            range(len(specs)), key=lambda i: -len(specs[i].trace) * len(specs[i].instances)
-        )
-        for i, row in zip(
-            order, pool.imap(run, [specs[i] for i in order], chunksize=1), strict=True
-        ):
-            rows_by_index[i] = row
-            if progress:
-                progress(1)
+    # Longest runs first keeps every worker busy until the end.
+    order = sorted(range(len(specs)), key=lambda i: -len(specs[i].trace) * len(specs[i].instances))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        futures = {pool.submit(run, specs[i]): i for i in order}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                rows_by_index[futures[future]] = future.result()
+                if progress:
+                    progress(1)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return [rows_by_index[i] for i in range(len(specs))]
 
 
