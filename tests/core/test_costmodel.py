@@ -240,3 +240,21 @@ def test_queued_local_prefills_stall_a_remote_request_too() -> None:
     a = costmodel.decode_estimate(request(), busy, PROFILE, 0.0)
     b = costmodel.decode_estimate(request(), idle, PROFILE, 0.0)
     assert a.ttft_s - b.ttft_s == pytest.approx(stall)
+
+
+def test_decode_kv_spare_leaves_out_what_routed_requests_will_claim() -> None:
+    """Capacity 100,000 less the 2% headroom is 98,000 per instance. One instance holds 30,000,
+    has 5,000 queued prompt tokens and 3,000 predicted output tokens to go: 60,000 spare. The
+    other is over-committed (it counts 0, not a negative). 20,000 tokens are owed to requests
+    still in the prefill pool: 40,000 left."""
+    roomy = InstanceSnapshot(
+        "d0",
+        "decode",
+        kv_tokens_used=30_000,
+        queued_tokens=5_000,
+        remaining_output_tokens=3_000.0,
+    )
+    full = InstanceSnapshot("d1", "decode", kv_tokens_used=97_000, queued_tokens=4_000)
+    spare = costmodel.decode_kv_spare([roomy, full], [PROFILE, PROFILE], 20_000.0)
+    assert spare == pytest.approx(40_000.0)
+    assert costmodel.decode_kv_spare([roomy, full], [PROFILE, PROFILE], 70_000.0) < 0.0

@@ -45,6 +45,22 @@ def test_late_binding_books_decode_only_when_bound() -> None:
     assert zero(led) and led.bind_decode("a", "d1") is None
 
 
+def test_the_decode_kv_of_requests_not_bound_yet_is_kept_for_the_pool() -> None:
+    """Prompt plus predicted output (100 + 50) of each request in the prefill pool without a
+    decode instance, until it is bound or leaves."""
+    led = Ledger()
+    led.routed(entry("a", d=None))
+    led.routed(entry("b", d=None, n=300))
+    led.routed(entry("c"))  # bound at arrival: its decode account holds it
+    assert led.unbound_kv_tokens == 150.0 + 350.0
+    led.prefilled("a")
+    assert led.unbound_kv_tokens == 500.0  # answered, but not bound yet
+    led.bind_decode("a", "d1")
+    assert led.unbound_kv_tokens == 350.0
+    led.finished("b")  # failed before its decode pod was chosen
+    assert led.unbound_kv_tokens == 0.0
+
+
 def test_local_path_books_the_prompt_on_the_decode_instance() -> None:
     led = Ledger()
     led.routed(entry("a", p=None, n=300))
@@ -140,9 +156,13 @@ def test_any_sequence_of_reports_returns_the_books_to_zero(seq: list[tuple[str, 
             assert acc.local_tokens >= 0 and acc.decoding >= 0
             assert 0 <= acc.upstream <= acc.inflight
             assert acc.predicted_left >= -1e-6
+        unbound = [e for e in led.entries.values() if e.decode is None]
+        assert led.unbound_kv_tokens == pytest.approx(
+            sum(e.prompt_tokens + e.predicted_output for e in unbound)
+        )
     for rid in list(led.entries):
         led.finished(rid)
-    assert zero(led)
+    assert zero(led) and led.unbound_kv_tokens == 0.0
 
 
 def test_budgets_shrink_as_a_request_falls_behind() -> None:

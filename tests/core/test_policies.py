@@ -302,6 +302,22 @@ def test_pd_decider_prefills_on_a_decode_instance_only_when_that_saves_the_slo()
     assert local.route(REQ, idle, random.Random(0)).prefill in ("p0", "p1")
 
 
+def test_the_local_path_spends_only_decode_kv_no_routed_request_will_claim() -> None:
+    """The same burst; the 80 queued prompts are still unbound and will claim decode KV when
+    their prefill answers. While the decode pool can hold them and this request, it is
+    prefilled locally; once their claim leaves less than its own prompt and output, it waits
+    in the prefill queue like them instead of taking the KV they need."""
+    queued = {"queued": 40, "queued_tokens": 40_000, "queued_sq_tokens": 40 * 1000.0**2}
+    prefills = [prefill("p0", **queued), prefill("p1", **queued)]
+    policy = make_policy("calibrated", options=PolicyOptions(pd_decider=True))
+    spare = 2 * A40.kv_capacity_tokens * (1.0 - costmodel.KV_HEADROOM)
+    need = REQ.prompt_tokens + REQ.predicted_output_tokens
+    fits = PoolSnapshot(0.0, prefills, [decode("d0"), decode("d1")], spare - need)
+    assert policy.route(REQ, fits, random.Random(0)).prefill is None
+    owed = PoolSnapshot(0.0, prefills, [decode("d0"), decode("d1")], spare - need + 1.0)
+    assert policy.route(REQ, owed, random.Random(0)).prefill in ("p0", "p1")
+
+
 def test_threshold_decider_wraps_any_policy() -> None:
     policy = make_policy("round_robin", options=PolicyOptions(local_prefill_below=1001))
     snap = pool([decode("d0"), decode("d1")])

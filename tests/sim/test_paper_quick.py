@@ -41,6 +41,7 @@ EXPERIMENT_KEYS: dict[str, tuple[str, str | None]] = {
     "pool_size": ("decode_pool", "llama8b"),
     "heterogeneity": ("length_sigma", "llama8b"),
     "scarcity": ("load", "llama8b"),
+    "herding": ("view", "llama8b"),
     "hardware_spread": ("hardware_spread", "llama8b"),
     "gpu_count": ("gpus", None),
     "constant_error": ("error_factor", None),
@@ -129,6 +130,12 @@ def test_each_experiment_runs_its_policies(quick: tuple[Doc, str, Path]) -> None
         "uncalibrated",
         "calibrated",
     }
+    herding = doc["experiments"]["herding"]
+    assert _labels(herding) == set(paper.HERDING_LABELS)
+    views = {r["view"]: r["router"] for r in herding}
+    assert set(views) == set(paper.HERDING_VIEWS)
+    assert (views["16_replicas"]["replicas"], views["no_books"]["own_books"]) == (16, False)
+    assert (views["own_books"]["replicas"], views["own_books"]["own_books"]) == (1, True)
 
 
 @pytest.mark.slow
@@ -204,6 +211,7 @@ def test_findings_tables_and_plots(quick: tuple[Doc, str, Path]) -> None:
         "pool_size.png",
         "heterogeneity.png",
         "scarcity.png",
+        "herding.png",
         "hardware_spread.png",
         "gpu_count.png",
         "constant_error.png",

@@ -11,10 +11,14 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
+from disaggpool.engine.decode import DecodeEngine
+from disaggpool.engine.prefill import PrefillEngine
+from disaggpool.engine.request import EngineRequest
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
 from disaggpool.sim.pools import build_pool
+from disaggpool.sim.router import RouterReplica
 from disaggpool.sim.runner import RunSpec, execute
 
 A40 = builtin_profile("a40-llama3-8b")
@@ -214,6 +218,35 @@ def test_late_binding_decides_on_the_state_after_prefill() -> None:
     assert [r.decode_instance for r in a.requests] == [r.decode_instance for r in b.requests]
     early = _run("calibrated", PolicyOptions(), RouterOptions(), reqs)[1]
     assert [r.decode_instance for r in a.requests] != [r.decode_instance for r in early.requests]
+
+
+def test_a_router_without_books_sees_the_last_scrape_alone() -> None:
+    """Between two scrapes a replica with its own books sees the requests it routed; one
+    without sees the gauges alone (what a router keeping no books decides on), while it still
+    keeps the books for the reports."""
+    engines = [PrefillEngine("p0", A40), DecodeEngine("d0", A40)]
+    believed = {"p0": A40, "d0": A40}
+    req = EngineRequest(0, 0.0, 500, 50, "chat", predicted_output=50.0, key="r0")
+    seen = {}
+    for books in (True, False):
+        replica = RouterReplica(
+            engines[:1], engines[1:], believed, scrape_interval_s=10.0, own_books=books
+        )
+        replica.snapshot(0.0)  # the scrape at 0: an idle pool
+        replica.routed(req, "p0", None, SLO["chat"], 0.0)  # late binding: not bound yet
+        snap = replica.snapshot(1.0)
+        seen[books] = (snap.prefill[0].queued_tokens, snap.unbound_kv_tokens)
+        assert "r0" in replica.ledger.entries
+    assert seen == {True: (500, 550.0), False: (0, 0.0)}
+
+
+def test_a_router_without_books_still_serves_every_request() -> None:
+    """Whole runs: without books every request is still served and the books end clean."""
+    reqs = trace(n=300, rate=14.0)
+    blind = RouterOptions(scrape_interval_s=1.0, own_books=False)
+    sim, outcome = _run("least_loaded", PolicyOptions(), blind, reqs)
+    assert all(r.finish >= 0 for r in outcome.requests)
+    assert sim.routers[0].ledger.entries == {}
 
 
 def test_router_options_are_checked() -> None:

@@ -58,8 +58,7 @@ class SLOClass:
 class RequestFeatures:
     """One request as the router sees it: exact prompt length, predicted output, SLO class, and
     `prefix_hits`: instance name -> prompt tokens the router believes that instance has cached
-    (its prefix index; instances not named have none); `indexed`: the router's prefix index
-    tracks this prompt (it has its blocks), whether or not anything holds it yet."""
+    (its prefix index; instances not named have none)."""
 
     request_id: str
     prompt_tokens: int
@@ -67,7 +66,6 @@ class RequestFeatures:
     output_uncertainty: float
     slo: SLOClass
     prefix_hits: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    indexed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,11 +161,17 @@ class InstanceSnapshot:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolSnapshot:
-    """All instances of one pool at time `now` (seconds, any epoch)."""
+    """All instances of one pool at time `now` (seconds, any epoch).
+
+    `unbound_kv_tokens`: the decode KV that requests routed to the prefill pool without a decode
+    instance yet (late binding) will claim when their prefill leg answers: their prompt tokens
+    plus predicted output tokens, from the router's ledger. No decode instance's view counts it.
+    """
 
     now: float
     prefill: Sequence[InstanceSnapshot]
     decode: Sequence[InstanceSnapshot]
+    unbound_kv_tokens: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

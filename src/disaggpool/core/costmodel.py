@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
@@ -21,6 +22,7 @@ from disaggpool.core.profile import CalibrationProfile
 __all__ = [
     "DecodeEstimate",
     "decode_estimate",
+    "decode_kv_spare",
     "local_estimate",
     "local_prefill_time",
     "prefill_ready_time",
@@ -98,6 +100,28 @@ def local_prefill_time(inst: InstanceSnapshot, prof: CalibrationProfile) -> floa
         + pf.p1 * q
         + pf.p2 * inst.local_prefill_sq_tokens
     )
+
+
+def decode_kv_spare(
+    decodes: Sequence[InstanceSnapshot],
+    profiles: Sequence[CalibrationProfile],
+    unbound_kv_tokens: float,
+) -> float:
+    """Decode KV tokens no routed request will claim (COSTMODEL.md, "The local path"): each
+    instance's capacity less what it holds and what the requests routed there still need (their
+    prompts as `decode_estimate` counts them, and their predicted remaining output), summed, less
+    what the requests still in the prefill pool without a decode instance will claim."""
+    spare = -unbound_kv_tokens
+    for inst, prof in zip(decodes, profiles, strict=True):
+        free = (
+            prof.kv_capacity_tokens * (1.0 - KV_HEADROOM)
+            - inst.kv_tokens_used
+            - inst.queued_tokens
+            - inst.remaining_output_tokens
+        )
+        if free > 0.0:
+            spare += free
+    return spare
 
 
 def decode_estimate(

@@ -48,9 +48,13 @@ reports at the moments a real router would get them. Several router replicas are
 over the same gauges. Pure and synchronous: no clock (times are passed in), no I/O.
 
 Late binding: an entry may be booked with its prefill instance only (`decode=None`) and bound to
-a decode instance later (`bind_decode`), when the prefill leg returns. Local prefill: an entry
-booked without a prefill instance (`prefill=None`) is prefilled by its decode instance, whose
-account then carries its prompt as `local_tokens` until it starts decoding.
+a decode instance later (`bind_decode`), when the prefill leg returns. Until then no decode
+account holds it, and the ledger keeps its decode KV (prompt plus predicted output) in the
+pool-wide `unbound_kv_tokens`, which the snapshot carries: the KV the decode pool owes it.
+
+Local prefill: an entry booked without a prefill instance (`prefill=None`) is prefilled by its
+decode instance, whose account then carries its prompt as `local_tokens` until it starts
+decoding.
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ class Ledger:
     def __init__(self) -> None:
         self.entries: dict[str, Entry] = {}
         self.accounts: dict[str, Account] = {}
+        self.unbound_kv_tokens = 0.0  # routed to a prefill instance, decode not chosen yet
 
     def account(self, name: str) -> Account:
         acc = self.accounts.get(name)
@@ -193,6 +198,8 @@ class Ledger:
                 p.yielded_sq_tokens += float(n) * n - float(h) * h
         if entry.decode is not None:
             self._book_decode(entry, entry.decode)
+        else:
+            self.unbound_kv_tokens += _decode_kv(entry)
 
     def bind_decode(self, request_id: str, decode: str) -> Entry | None:
         """Choose the decode instance of a request booked without one (late binding)."""
@@ -201,8 +208,14 @@ class Ledger:
             return None
         if entry.decode is not None:
             raise ValueError(f"request {request_id!r} is already bound to {entry.decode!r}")
+        self._unbind_kv(entry)
         self._book_decode(entry, decode)
         return entry
+
+    def _unbind_kv(self, entry: Entry) -> None:
+        self.unbound_kv_tokens -= _decode_kv(entry)
+        if self.unbound_kv_tokens < 0.5:
+            self.unbound_kv_tokens = 0.0  # no float residue once every one is bound
 
     def _book_decode(self, entry: Entry, decode: str) -> None:
         entry.decode = decode
@@ -268,6 +281,7 @@ class Ledger:
         if not entry.prefilled:
             self._release_prefill(entry)
         if entry.decode is None:
+            self._unbind_kv(entry)
             return entry
         d = self.accounts[entry.decode]
         d.inflight -= 1
@@ -328,6 +342,11 @@ class Ledger:
             p.yielded_sq_tokens -= float(n) * n - float(h) * h
         if p.inflight == 0:
             p.queued_sq_tokens = p.yielded_sq_tokens = 0.0  # no float residue
+
+
+def _decode_kv(entry: Entry) -> float:
+    """The KV tokens a request holds on its decode instance by its end (as predicted)."""
+    return entry.prompt_tokens + entry.predicted_output
 
 
 def _pow2(tokens: float) -> int:

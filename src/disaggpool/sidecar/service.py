@@ -190,7 +190,6 @@ class RoutingService:
             output_uncertainty=pred.std,
             slo=slo,
             prefix_hits=hits,
-            indexed=bool(blocks),
         )
         pool = self._pool(now, exclude_prefill)
         started = time.perf_counter()

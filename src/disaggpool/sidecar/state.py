@@ -227,4 +227,9 @@ class PoolState:
                     profile=inst.profile,
                 )
             (decode if snap.role == "decode" else prefill).append(snap)
-        return PoolSnapshot(now=now, prefill=prefill, decode=decode)
+        return PoolSnapshot(
+            now=now,
+            prefill=prefill,
+            decode=decode,
+            unbound_kv_tokens=self.ledger.unbound_kv_tokens,
+        )

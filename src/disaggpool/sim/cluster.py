@@ -60,12 +60,16 @@ class RouterOptions:
     the prefill leg returns, on the state of that moment, instead of at arrival. `prefix_index`:
     each replica keeps an approximate index of the prompt blocks it sent to each prefill
     instance and tells the policies what each would find cached (`core.prefix_index`).
+    `own_books`: each replica counts the requests it routed on top of the scraped gauges (its
+    ledger), as the sidecar does; False shows the policies the gauges alone, as a router that
+    keeps no books sees the pool between two scrapes (`sim paper`'s `herding` experiment).
     """
 
     scrape_interval_s: float = 0.0
     replicas: int = 1
     late_binding: bool = False
     prefix_index: bool = False
+    own_books: bool = True
 
     def __post_init__(self) -> None:
         if not self.scrape_interval_s >= 0.0:
@@ -179,6 +183,7 @@ class Simulation:
                 scrape_interval_s=router.scrape_interval_s,
                 phase_s=router.scrape_interval_s * r / n,
                 prefix_index=router.prefix_index,
+                own_books=router.own_books,
             )
             for r in range(n)
         ]
@@ -267,7 +272,6 @@ class Simulation:
             output_uncertainty=pred.std,
             slo=slo,
             prefix_hits=router.prefix_hits(req),
-            indexed=router.index is not None and bool(req.blocks),
         )
         policy = self.policies[req.index % len(self.policies)]
         decision = policy.route(features, router.snapshot(now), self.rng)

@@ -16,6 +16,9 @@ every sweep point or case at its own such rate. The experiments (`EXPERIMENTS`, 
 * ``pool_size`` (llama8b): 3..16 decode instances (``"decode_pool"``);
 * ``heterogeneity`` (llama8b): log-normal length spread and SLO mix (``"length_sigma"``);
 * ``scarcity`` (llama8b): up to 3x the operating rate (``"load"``);
+* ``herding`` (llama8b): what the router knows between two scrapes (``"view"``, `HERDING_VIEWS`):
+  its own books (one replica, the setup's router), 4 or 16 replicas each with its own books and
+  an even share of the arrivals, or no books at all (the gauges alone), at the main rate;
 * ``hardware_spread`` (llama8b): calibrated vs datasheet constants on pools whose instances spread
   more in speed (``"hardware_spread"``);
 * ``gpu_count`` (both setups): 4..8 GPUs (paper: 3..8) at the rate round-robin carries at 0.85 on
@@ -44,6 +47,7 @@ setups at once. Called by the CLI (`cmd_sim_paper`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +75,22 @@ __all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_p
 
 LLAMA8B_LABELS = (*BASE_LABELS, "calibrated+priority")
 SCARCITY_LABELS = ("round_robin", "random", "calibrated_greedy", "calibrated")
+HERDING_LABELS = (
+    "round_robin",
+    "random",
+    "least_loaded",
+    "p2c",
+    "calibrated_greedy",
+    "calibrated",
+    "calibrated_no_pd",
+)
+HERDING_VIEWS: dict[str, dict[str, Any]] = {
+    "own_books": {},
+    "4_replicas": {"replicas": 4},
+    "16_replicas": {"replicas": 16},
+    "no_books": {"own_books": False},
+}
+"""The `herding` experiment's router views: changes to the setup's `RouterOptions`."""
 SPREAD_LABELS = ("least_loaded", "uncalibrated", "calibrated")
 
 EXPERIMENTS = (
@@ -80,6 +100,7 @@ EXPERIMENTS = (
     "pool_size",
     "heterogeneity",
     "scarcity",
+    "herding",
     "hardware_spread",
     "gpu_count",
     "constant_error",
@@ -163,6 +184,7 @@ class _Experiments:
             "pool_size": self._pool_size(rates["pool_size"]),
             "heterogeneity": self._heterogeneity(rates["heterogeneity"]),
             "scarcity": self._scarcity(),
+            "herding": self._herding(),
             "hardware_spread": self._spread(rates["hardware_spread"]),
             "gpu_count": self._gpu_count(rates["gpu_count"][0], workers=workers),
             "constant_error": constant_error_runs(self.setup, self.cfg, self.cfg.error_traces),
@@ -330,6 +352,27 @@ class _Experiments:
             for load in self.cfg.scarcity_loads
             for seed in self.cfg.seeds
             for label in SCARCITY_LABELS
+        ]
+
+    # Greedy placement herds when the router's view is stale: the study's collapse. The same
+    # trace and rate, four views of the pool between scrapes (HERDING_VIEWS).
+    def _herding(self) -> list[RunSpec]:
+        trace = self._sweep_trace(self.rate)
+        return [
+            self._run(
+                "herding",
+                "mixed-0",
+                trace,
+                self.history,
+                self.setup.split,
+                label,
+                seed,
+                router=dataclasses.replace(self.setup.router, **change),
+                view=view,
+            )
+            for view, change in HERDING_VIEWS.items()
+            for seed in self.cfg.seeds
+            for label in HERDING_LABELS
         ]
 
     # The rate 7 GPUs carry at the operating point; each GPU count at its best split for it.

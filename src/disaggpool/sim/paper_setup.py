@@ -14,8 +14,9 @@ Shared by both setups (``llama8b`` here, ``paper`` in `sim.paper_study`):
   ``calibrated`` and ``uncalibrated`` with the product's default switches (the P/D decider on;
   `core.policies.registry.default_options`), ``calibrated+priority`` (the same with
   `priority_scheduling`: engines scheduling by priority, requests predicted late yield), the
-  study's weighted-sum scorer with calibrated or datasheet constants. `BASELINES` are "the
-  baselines" the findings compare against.
+  study's weighted-sum scorer with calibrated or datasheet constants, ``calibrated_no_pd``
+  (``calibrated`` with the P/D decider off). `BASELINES` are "the baselines" the findings
+  compare against.
 * `constant_error_runs`: the scorers of `ERROR_ARMS` fed constants off by `ERROR_FACTORS`.
 * `solve_searches`: many setups' operating-point searches in one lockstep search.
 
@@ -115,6 +116,7 @@ LABELS: dict[str, Arm] = {
     "uncalibrated": _product("uncalibrated"),
     "study_weighted": Arm("study_weighted"),
     "study_weighted_datasheet": Arm("study_weighted_datasheet"),
+    "calibrated_no_pd": Arm("calibrated"),
 }
 """Row label -> policy and switches (see the module docstring)."""
 

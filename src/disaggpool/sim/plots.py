@@ -7,8 +7,9 @@ one colour in every figure. Counts (decode instances, GPUs) are ticked at intege
 
 Called by `disaggpool sim paper --plots DIR`; reads only the experiment document. Writes
 ``main_<setup>.png`` per setup run (the paper setup: one panel per SLO level), ``ablation.png``,
-``robustness.png``, the llama8b sweeps (``pool_size``, ``heterogeneity``, ``scarcity``,
-``hardware_spread``) and ``gpu_count.png`` (one panel per setup), each when it has rows.
+``robustness.png``, ``herding.png``, the llama8b sweeps (``pool_size``, ``heterogeneity``,
+``scarcity``, ``hardware_spread``) and ``gpu_count.png`` (one panel per setup), each when it has
+rows.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _PALETTE = (
     "#e377c2",  # uncalibrated
     "#17becf",  # study_weighted
     "#000000",  # study_weighted_datasheet
+    "#c49c94",  # calibrated_no_pd
 )
 _COLOURS = dict(zip(LABELS, _PALETTE, strict=True))
 # The constant-error experiment's scorers, in the colours of the labels they stand for.
@@ -87,7 +89,16 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     if exps["ablation"]:
         written.append(_ablation(exps["ablation"], directory / "ablation.png"))
     if exps["robustness"]:
-        written.append(_robustness(exps["robustness"], directory / "robustness.png"))
+        written.append(_grouped(exps["robustness"], directory / "robustness.png"))
+    if exps.get("herding"):
+        written.append(
+            _grouped(
+                exps["herding"],
+                directory / "herding.png",
+                key="view",
+                title="What the router knows between scrapes (llama8b, main rate)",
+            )
+        )
     for name, key, xlabel, title, integer in _SWEEPS:
         if exps[name]:
             written.append(
@@ -182,15 +193,22 @@ def _ablation(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _robustness(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+def _grouped(
+    rows: Sequence[dict[str, Any]],
+    path: Path,
+    *,
+    key: str = "case",
+    title: str = "Robustness (paper setup, tight SLO): each case at its own operating point",
+) -> Path:
+    """Grouped bars: one group per value of `key`, one bar per policy."""
     import matplotlib.pyplot as plt
 
-    cases = list(dict.fromkeys(r["case"] for r in rows))
+    cases = list(dict.fromkeys(r[key] for r in rows))
     labels = list(dict.fromkeys(r["policy"] for r in rows))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(labels)
     stats = {
-        c: {s["policy"]: s for s in report.bar_stats([r for r in rows if r["case"] == c])}
+        c: {s["policy"]: s for s in report.bar_stats([r for r in rows if r[key] == c])}
         for c in cases
     }
     for i, label in enumerate(labels):
@@ -206,9 +224,10 @@ def _robustness(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], cases)
     ax.set_ylim(_floor([s for per_case in stats.values() for s in per_case.values()]), 1.0)
     ax.set_ylabel("goodput (error bar = std over seeds)")
-    ax.set_title("Robustness (paper setup, tight SLO): each case at its own operating point")
+    ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=4, loc="lower right")
+    # Below the axes: in a group whose bars fall low, a legend inside would hide them.
+    ax.legend(fontsize=7, ncol=len(labels), loc="upper center", bbox_to_anchor=(0.5, -0.08))
     return _save(fig, path)
 
 

@@ -32,6 +32,7 @@ The keys of `findings` (only those whose experiment has rows):
 * ``pool_size_gain_points``, ``heterogeneity_gain_points``: sweep point -> calibrated minus the
   best baseline run there (llama8b).
 * ``scarcity``: the scarcity sweep table (load -> label -> mean goodput) (llama8b).
+* ``herding``: goodput per router view (`paper.HERDING_VIEWS`) and label (llama8b).
 * ``constant_error``: group -> scorer -> ``means`` (error factor -> mean goodput) and
   ``loss_points`` (error factor -> its mean minus the mean at factor 1.0).
 """
@@ -267,6 +268,8 @@ def findings(experiments: dict[str, list[Row]]) -> Row:
         )
     if experiments.get("scarcity"):
         out["scarcity"] = sweep_table(experiments["scarcity"], "load")
+    if experiments.get("herding"):
+        out["herding"] = sweep_table(experiments["herding"], "view")
     if experiments.get("constant_error"):
         out["constant_error"] = {
             g: _constant_error(rows) for g, rows in groups(experiments["constant_error"]).items()
@@ -346,6 +349,13 @@ def tables(doc: Row) -> str:
                 sweep_table(exps["robustness"], "case"),
             )
         )
+    if exps.get("herding"):
+        buf.write(
+            render(
+                "herding [llama8b]: goodput per view of the pool between scrapes (main rate)",
+                sweep_table(exps["herding"], "view"),
+            )
+        )
     sweeps = (
         ("pool_size", "decode_pool", "goodput vs decode instances (each at its operating point)"),
         ("heterogeneity", "length_sigma", "goodput vs log-normal length spread"),
@@ -371,7 +381,7 @@ def tables(doc: Row) -> str:
         )
     buf.write("findings:\n")
     for k, v in doc["findings"].items():
-        if k in ("scarcity", "constant_error"):
+        if k in ("scarcity", "herding", "constant_error"):
             continue
         if isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()):
             buf.write(f"  {k}:\n")

@@ -14,7 +14,9 @@ thing they share, which is what makes greedy placement herd. The decode instance
 are the serving ones: an autoscaled simulation adds and drains them under it. With
 `prefix_index`, a replica also keeps a `core.prefix_index.PrefixIndex` of the prompt blocks it
 sent to each prefill instance and tells the policy what each would find cached (`prefix_hits`).
-Called by `sim.cluster` only.
+Without `own_books` the policy sees the gauges alone (the ledger is still kept, for late binding
+and the reports, but not shown): a router that keeps no books, which the `herding` experiment
+needs. Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RouterReplica:
         scrape_interval_s: float = 0.0,
         phase_s: float = 0.0,
         prefix_index: bool = False,
+        own_books: bool = True,
     ) -> None:
         self.prefill = list(prefill)
         # Not copied: the simulator changes the serving decode instances in place as it scales.
@@ -54,6 +57,7 @@ class RouterReplica:
         self._next_scrape = phase_s
         self._gauges: dict[str, Gauges] = {}
         self.index = PrefixIndex() if prefix_index else None
+        self.own_books = own_books
 
     # ---------------------------------------------------------------- reports
     def routed(
@@ -131,7 +135,7 @@ class RouterReplica:
                 entry = entries.get(req.key)
                 if entry is not None and produced > entry.generated:
                     self.progress(req, produced, now)
-        accounts = self.ledger.accounts
+        accounts = self.ledger.accounts if self.own_books else {}
         gauges = self._gauges
         profiles = self.profiles
         return PoolSnapshot(
@@ -158,4 +162,5 @@ class RouterReplica:
                 )
                 for e in self.decode
             ],
+            unbound_kv_tokens=self.ledger.unbound_kv_tokens if self.own_books else 0.0,
         )

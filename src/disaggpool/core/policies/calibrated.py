@@ -16,7 +16,8 @@ For each request:
    than spreading lateness over every instance. The decision then says `slo_feasible=False`.
 4. With the P/D decider (`pd_decider`, on by default through `registry.default_options`): the
    same for every decode instance prefilling the prompt itself; that local path is taken when it
-   causes fewer violations than step 3's choice (COSTMODEL.md, "The local path").
+   causes fewer violations than step 3's choice and the decode pool has KV to spare beyond what
+   the requests already routed will claim (COSTMODEL.md, "The local path").
 5. Late binding (`route_decode`): steps 2-3 alone, when the prefill leg has returned.
 
 **Scarcity guard (bounded load).** Greedy ACT minimisation trusts its estimates most exactly when
@@ -198,10 +199,8 @@ class CalibratedPolicy:
             decodes,
             d_profiles,
             p_fallback or d_fallback,
-            # A prompt the prefix index tracks stays on the prefill pool: prefilled on a decode
-            # instance it is cached where no router looks, and the later turns of its
-            # conversation lose their hit (COSTMODEL.md, "The local path").
-            local_ok=self.pd_decider and not req.indexed,
+            local_ok=self.pd_decider,
+            unbound_kv_tokens=pool.unbound_kv_tokens,
         )
 
     def route_decode(
@@ -232,6 +231,7 @@ class CalibratedPolicy:
         fallback: bool,
         *,
         local_ok: bool = False,
+        unbound_kv_tokens: float = 0.0,
         bound_late: bool = False,
     ) -> RouteDecision:
         """2. Decode: fewest expected SLO violations (the request's own, plus the in-flight
@@ -241,7 +241,9 @@ class CalibratedPolicy:
         With `local_ok` (the P/D decider), each decode instance is also priced prefilling the
         prompt itself; the local path wins only when it causes fewer SLO violations than the
         best two-leg placement. It spends decode capacity that later arrivals may need, which
-        no estimate of this request's own cost sees, so it is kept for saving an SLO."""
+        no estimate of this request's own cost sees, so it is kept for saving an SLO, and it may
+        spend only decode KV that no routed request will claim, those still in the prefill pool
+        included (`unbound_kv_tokens`; COSTMODEL.md, "The local path")."""
         allowed = self._allowed(decodes, d_profiles)
         slo = req.slo
         best = -1
@@ -260,7 +262,12 @@ class CalibratedPolicy:
             if allowed[idx] and key < best_key:
                 best, best_key = idx, key
         chosen = estimates[best]
-        if local_ok and best_key[0] > 0.0:  # only a placement that breaks an SLO can be beaten
+        if (
+            local_ok
+            and best_key[0] > 0.0  # only a placement that breaks an SLO can be beaten
+            and costmodel.decode_kv_spare(decodes, d_profiles, unbound_kv_tokens)
+            >= req.prompt_tokens + req.predicted_output_tokens
+        ):
             local = self._local(req, decodes, d_profiles, allowed, estimates)
             if local is not None:
                 l_idx, l_est = local
