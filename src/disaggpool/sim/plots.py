@@ -89,7 +89,14 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     if exps["ablation"]:
         written.append(_ablation(exps["ablation"], directory / "ablation.png"))
     if exps["robustness"]:
-        written.append(_grouped(exps["robustness"], directory / "robustness.png"))
+        written.append(
+            _grouped(
+                exps["robustness"],
+                directory / "robustness.png",
+                key="case",
+                title="Robustness (paper setup, tight SLO): each case at its own operating point",
+            )
+        )
     if exps.get("herding"):
         written.append(
             _grouped(
@@ -197,8 +204,8 @@ def _grouped(
     rows: Sequence[dict[str, Any]],
     path: Path,
     *,
-    key: str = "case",
-    title: str = "Robustness (paper setup, tight SLO): each case at its own operating point",
+    key: str,
+    title: str,
 ) -> Path:
     """Grouped bars: one group per value of `key`, one bar per policy."""
     import matplotlib.pyplot as plt
