@@ -1,4 +1,5 @@
-"""What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1).
+"""What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1), and how
+long it may keep a connection to a pod.
 
 The prefill leg carries these `kv_transfer_params`, exactly as vLLM's reference proxy and llm-d's
 sidecar send them; the decode leg carries the prefill answer's `kv_transfer_params` unchanged.
@@ -9,7 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["prefill_leg_params"]
+__all__ = ["POD_CONNECTION_REUSE_S", "VLLM_KEEP_ALIVE_S", "prefill_leg_params"]
+
+#: vLLM's HTTP server closes a connection left idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+VLLM_KEEP_ALIVE_S = 5
+
+#: How long our clients reuse an idle pooled connection to a pod. Below vLLM's keep-alive: a
+#: request sent down a connection the pod is closing at that moment never arrives, and the
+#: client sees a failed leg from a healthy pod (seen in CI against real vLLM: a 502).
+POD_CONNECTION_REUSE_S = 3.0
 
 
 def prefill_leg_params() -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
 from emulator_testkit import Http, eventually, make_profile, sample
@@ -44,6 +45,20 @@ def _idle(emu: EmulatorThread, http: Http, aborted: int) -> None:
 
 def _assert_running(emu: EmulatorThread, http: Http, n: int) -> None:
     assert sample(http.metrics(emu.url), "vllm:num_requests_running") == n
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive(start_emulator: Any) -> None:
+    """As vLLM's server (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a kept-alive connection left idle is
+    closed by the server, which is what a router's connection pool must expect."""
+    emu = start_emulator(http_keep_alive=0.5)
+    host, port = emu.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        assert sock.recv(4096) == b""  # the server's close, not an answer
+        closed_after = time.monotonic() - t0
+    assert 0.3 < closed_after < 4.0, closed_after
 
 
 def test_streaming_client_hangs_up(start_emulator: Any, http: Http) -> None:

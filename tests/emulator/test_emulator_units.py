@@ -14,7 +14,12 @@ import pytest
 from emulator_testkit import H100, make_profile
 
 from disaggpool.emulator import cli
-from disaggpool.emulator.config import DEFAULT_MODEL, EmulatorConfig, side_channel_from_env
+from disaggpool.emulator.config import (
+    DEFAULT_MODEL,
+    EmulatorConfig,
+    keep_alive_from_env,
+    side_channel_from_env,
+)
 from disaggpool.emulator.engine_driver import DecodeDriver
 from disaggpool.emulator.errors import ApiError
 from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
@@ -172,6 +177,14 @@ def test_side_channel_env() -> None:
     ) == ("198.18.0.7", 5601)
     with pytest.raises(InputError):
         side_channel_from_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
+
+
+def test_keep_alive_env() -> None:
+    assert keep_alive_from_env({}) == 5.0  # vLLM's default
+    assert keep_alive_from_env({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2"}) == 2.0
+    for bad in ("2.5", "x", "0"):
+        with pytest.raises(InputError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+            keep_alive_from_env({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": bad})
 
 
 def test_cli_parses_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

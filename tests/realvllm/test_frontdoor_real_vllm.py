@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -49,8 +50,11 @@ def _post(url: str, body: dict[str, Any]) -> Any:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # say why: the engines' log tails follow in the report
+        raise AssertionError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
 
 
 def test_completion_through_the_front_door(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from disaggpool.emulator.config import keep_alive_from_env
 from disaggpool.errors import InputError
 from disaggpool.sidecar.config import load_config, parse_config
 
@@ -63,6 +64,13 @@ def test_static_members_strip_trailing_slash() -> None:
     assert cfg.policy == "calibrated"
 
 
+def test_pooled_connections_expire_before_vllms_own_keep_alive() -> None:
+    # vLLM closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (the emulator mirrors
+    # its default); reusing one for longer races the pod's close (test_upstream_keepalive.py).
+    assert parse_config(BASE).upstream_keepalive_s < keep_alive_from_env({})
+    assert parse_config({**BASE, "upstream_keepalive_s": 1.5}).upstream_keepalive_s == 1.5
+
+
 @pytest.mark.parametrize(
     ("patch", "field"),
     [
@@ -76,6 +84,7 @@ def test_static_members_strip_trailing_slash() -> None:
         ({"predictor": "oracle"}, "predictor"),
         ({"listen": {"http": "nowhere"}}, "listen.http"),
         ({"scrape_interval_s": 0}, "scrape_interval_s"),
+        ({"upstream_keepalive_s": -1}, "upstream_keepalive_s"),
         ({"max_inflight": 0}, "max_inflight"),
         ({"tokenizer": {"kind": "magic"}}, "tokenizer.kind"),
         ({"tokenizer": {"kind": "huggingface"}}, "tokenizer.path"),

@@ -24,6 +24,7 @@ from disaggpool.calibration.common import (
     ProbeResult,
     Progress,
 )
+from disaggpool.pdwire import POD_CONNECTION_REUSE_S
 
 __all__ = ["ProbeConfig", "ProbeError", "ProbeResult", "run_probe"]
 
@@ -31,7 +32,8 @@ __all__ = ["ProbeConfig", "ProbeError", "ProbeResult", "run_probe"]
 async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(keepalive_timeout=POD_CONNECTION_REUSE_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = Client(session, cfg)
         pod = await client.discover(cfg.endpoint.rstrip("/"))
         peer = await client.discover(cfg.peer.rstrip("/")) if cfg.peer else None

@@ -9,7 +9,8 @@
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
 `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; really listened on). `VLLM_SERVER_DEV_MODE=1`
-adds vLLM's development endpoint `POST /reset_prefix_cache`. Exit codes: 0 after a signal,
+adds vLLM's development endpoint `POST /reset_prefix_cache`; `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
+(default 5 s) closes idle HTTP connections as vLLM's server does. Exit codes: 0 after a signal,
 2 bad input (the message names the flag or file and the field), 1 anything else (for example a
 port already in use).
 """
@@ -25,7 +26,12 @@ import sys
 from collections.abc import Sequence
 
 from disaggpool import precise_loop
-from disaggpool.emulator.config import EmulatorConfig, dev_mode_from_env, side_channel_from_env
+from disaggpool.emulator.config import (
+    EmulatorConfig,
+    dev_mode_from_env,
+    keep_alive_from_env,
+    side_channel_from_env,
+)
 from disaggpool.emulator.server import serve
 from disaggpool.engine.request import SCHEDULING_POLICIES
 from disaggpool.errors import InputError
@@ -112,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         server_dev_mode=dev_mode_from_env(),
+        http_keep_alive=keep_alive_from_env(),
         kv_events=parse_kv_events_config(args.kv_events_config)
         if args.kv_events_config
         else KVEventsConfig(),

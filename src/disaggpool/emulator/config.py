@@ -16,8 +16,15 @@ from disaggpool.core.profile import CalibrationProfile
 from disaggpool.engine.request import SchedulingPolicy
 from disaggpool.errors import InputError
 from disaggpool.formats.kv_events import KVEventsConfig
+from disaggpool.pdwire import VLLM_KEEP_ALIVE_S
 
-__all__ = ["DEFAULT_MODEL", "EmulatorConfig", "dev_mode_from_env", "side_channel_from_env"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "EmulatorConfig",
+    "dev_mode_from_env",
+    "keep_alive_from_env",
+    "side_channel_from_env",
+]
 
 DEFAULT_MODEL = "disaggpool/emulated-model"
 
@@ -25,6 +32,23 @@ DEFAULT_MODEL = "disaggpool/emulated-model"
 def dev_mode_from_env(env: Mapping[str, str] | None = None) -> bool:
     """vLLM's `VLLM_SERVER_DEV_MODE` ("1" enables the development endpoints)."""
     return (os.environ if env is None else env).get("VLLM_SERVER_DEV_MODE") == "1"
+
+
+def keep_alive_from_env(env: Mapping[str, str] | None = None) -> float:
+    """vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE` (default 5 s): how long its HTTP server keeps an idle
+    connection open. A client that pools connections for longer meets closed ones."""
+    raw = (os.environ if env is None else env).get(
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(VLLM_KEEP_ALIVE_S)
+    )
+    try:
+        seconds = int(raw)  # vLLM reads it with int()
+    except ValueError:
+        raise InputError(
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "<env>", f"not an integer: {raw!r}"
+        ) from None
+    if seconds < 1:
+        raise InputError("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "<env>", f"must be at least 1: {seconds}")
+    return float(seconds)
 
 
 def side_channel_from_env(env: Mapping[str, str] | None = None) -> tuple[str, int]:
@@ -79,6 +103,9 @@ class EmulatorConfig:
     server_dev_mode: bool = False
     # How long a decode leg waits for the prefill side to answer a KV read before failing it.
     pull_timeout: float = 5.0
+    # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: an idle client connection is closed after this long,
+    # so that a router pooling connections for longer meets the closes vLLM's server makes.
+    http_keep_alive: float = VLLM_KEEP_ALIVE_S
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -91,6 +118,8 @@ class EmulatorConfig:
                 f"{self.model_len} exceeds the profile's KV capacity "
                 f"({self.profile.kv_capacity_tokens} tokens)",
             )
+        if self.http_keep_alive <= 0:
+            raise InputError("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "<env>", "must be positive")
         if self.kv_lease_duration <= 0:
             raise InputError("--kv-lease-duration", "<arg>", "must be positive")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:

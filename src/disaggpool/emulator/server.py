@@ -358,7 +358,9 @@ async def serve(config: EmulatorConfig) -> RunningEmulator:
         await asyncio.sleep(config.startup_delay)
     instance = EmulatorInstance(config)
     await instance.start()
-    runner = web.AppRunner(build_app(instance), access_log=None)
+    runner = web.AppRunner(
+        build_app(instance), access_log=None, keepalive_timeout=config.http_keep_alive
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)

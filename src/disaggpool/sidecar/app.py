@@ -81,7 +81,8 @@ class RunningSidecar:
 
 async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidecar:
     service = RoutingService(config, seed=seed)
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # Pooled connections shorter-lived than the pods' own keep-alive (config.py says why).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive_s)
     timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s, sock_connect=5.0)
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
     collectors = Collectors(service, session)

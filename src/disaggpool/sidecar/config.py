@@ -26,6 +26,7 @@ from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml
+from disaggpool.pdwire import POD_CONNECTION_REUSE_S
 
 __all__ = [
     "KubernetesSource",
@@ -128,6 +129,9 @@ class SidecarConfig:
     prefill_attempts: int = 2
     inflight_ttl_s: float = 600.0
     upstream_timeout_s: float = 600.0
+    # An idle pooled connection to a pod is reused only this long: keep it below the pods'
+    # keep-alive (`pdwire.POD_CONNECTION_REUSE_S` says why).
+    upstream_keepalive_s: float = POD_CONNECTION_REUSE_S
     shutdown_delay_s: float = 0.0  # after SIGTERM: serve on, failing health (sidecar.app)
     shutdown_timeout_s: float = 50.0  # then: the longest wait for requests in flight
     heterogeneity_window: int = 512
@@ -174,6 +178,7 @@ _TOP = {
     "prefill_attempts",
     "inflight_ttl_s",
     "upstream_timeout_s",
+    "upstream_keepalive_s",
     "shutdown_delay_s",
     "shutdown_timeout_s",
     "heterogeneity_window",
@@ -226,7 +231,13 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     for key in ("grpc", "http"):
         if key in listen:
             kwargs[f"{key}_listen"] = _address(rd, listen[key], f"listen.{key}")
-    positive = ("scrape_interval_s", "scrape_timeout_s", "inflight_ttl_s", "upstream_timeout_s")
+    positive = (
+        "scrape_interval_s",
+        "scrape_timeout_s",
+        "inflight_ttl_s",
+        "upstream_timeout_s",
+        "upstream_keepalive_s",
+    )
     for key in (*positive, "shutdown_timeout_s"):
         if key in top:
             kwargs[key] = rd.number(top[key], key, positive=True)
