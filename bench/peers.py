@@ -224,14 +224,16 @@ def start_pair_sidecar(
     procs: list[Any],
     command: Sequence[str] = (sys.executable, "-m", "disaggpool", "sidecar", "--config"),
     name: str = "sidecar",
+    grpc_port: int = 0,
 ) -> str:
     """Our router (`calibrated`) in front of `start_fast_pair`'s pods, on CPU 0: `command`
-    followed by its config file's path starts it. Its URL."""
+    followed by its config file's path starts it; its gRPC server on `grpc_port` (0: any). Its
+    URL."""
     port = free_port()
     config = {
         "policy": OVERHEAD_POLICY["disaggpool"],
         "model": MODEL,
-        "listen": {"http": f"127.0.0.1:{port}", "grpc": "127.0.0.1:0"},
+        "listen": {"http": f"127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"},
         "slo_classes": [{"name": "chat", "ttft_s": 1.0, "tpot_s": 0.1}],
         "tokenizer": {"kind": "emulator"},
         "pool": {

@@ -185,7 +185,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _grpc_load(target: str, seconds: float, rate: float | None) -> dict[str, float]:
+async def grpc_load(target: str, seconds: float, rate: float | None) -> dict[str, float]:
     """Closed loop (rate None, 64 workers) or open loop at `rate` routes/s."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.RouterStub(channel)
@@ -246,8 +246,8 @@ def bench_grpc(quick: bool) -> list[dict[str, Any]]:
                 port, gport = _free_port(), _free_port()
                 sidecar = _sidecar_process(policy, urls, tmp, port, gport)
                 try:
-                    closed = asyncio.run(_grpc_load(f"127.0.0.1:{gport}", seconds, None))
-                    open_ = asyncio.run(_grpc_load(f"127.0.0.1:{gport}", seconds, 1000.0))
+                    closed = asyncio.run(grpc_load(f"127.0.0.1:{gport}", seconds, None))
+                    open_ = asyncio.run(grpc_load(f"127.0.0.1:{gport}", seconds, 1000.0))
                 finally:
                     sidecar.terminate()
                     sidecar.wait(10)
