@@ -75,7 +75,7 @@ import yaml
 from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import default_options
+from disaggpool.core.policies.registry import DEFAULT_DECODE_BINDING, default_options
 from disaggpool.core.prefix_index import leading_hit_tokens
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.core.stats import bootstrap_paired_difference_interval, bootstrap_share_interval
@@ -125,7 +125,7 @@ JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10
 SCRAPE_INTERVAL_S = 0.5  # the sidecars' scrape interval, which the simulator plays too
 # The sidecar's default, named here so the simulated side binds as the real one does.
-DECODE_BINDING = "late"
+DECODE_BINDING = DEFAULT_DECODE_BINDING
 SEARCH_BRACKET = (0.5, 40.0)  # req/s: the operating-point search's bracket
 SEARCH_STEPS = 14  # bisection steps: the bracket narrowed to 2.4 milli-req/s
 

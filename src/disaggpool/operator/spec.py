@@ -24,6 +24,8 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
+    DECODE_BINDINGS,
+    DEFAULT_DECODE_BINDING,
     NEEDS_PREFIX_INDEX,
     ROUTER_POLICIES,
     default_options,
@@ -162,7 +164,7 @@ class RouterSpec:
     predictor: str = "online"
     scrape_interval_s: float = 1.0
     max_inflight: int = 512
-    decode_binding: str = "late"
+    decode_binding: str = DEFAULT_DECODE_BINDING
     pd_decider: bool = False
     local_prefill_below: int = 0
     prefix_index: bool = False
@@ -385,7 +387,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         predictor=rt.string("predictor", "online"),
         scrape_interval_s=rt.number("scrapeIntervalSeconds", 1.0, positive=True),
         max_inflight=rt.integer("maxInflight", 512, minimum=1),
-        decode_binding=rt.string("decodeBinding", "late"),
+        decode_binding=rt.string("decodeBinding", DEFAULT_DECODE_BINDING),
         pd_decider=rt.boolean("pdDecider", default_options(policy).pd_decider),
         local_prefill_below=rt.integer("localPrefillBelow", 0, minimum=0),
         prefix_index=rt.boolean("prefixIndex", False),
@@ -393,7 +395,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         priority_scheduling=rt.boolean("priorityScheduling", False),
         resources=rt.section("resources").data,
     )
-    if router.decode_binding not in ("arrival", "late"):
+    if router.decode_binding not in DECODE_BINDINGS:
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
     if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
         rt.problem("pdDecider", f"needs a calibrated policy, not {router.policy!r}")

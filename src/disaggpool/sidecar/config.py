@@ -17,8 +17,11 @@ from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
+    DECODE_BINDINGS,
+    DEFAULT_DECODE_BINDING,
     NEEDS_PREFIX_INDEX,
     ROUTER_POLICIES,
+    DecodeBinding,
     PolicyOptions,
     default_options,
 )
@@ -141,7 +144,7 @@ class SidecarConfig:
     members_kubernetes: KubernetesSource | None = None
     profiles_dir: str = ""
     profiles_kubernetes: KubernetesSource | None = None
-    decode_binding: Literal["arrival", "late"] = "late"
+    decode_binding: DecodeBinding = DEFAULT_DECODE_BINDING
     prefix_index: bool = False
     kv_events: KVEventsSource | None = None
     autoscaling: AutoscalingConfig | None = None
@@ -251,8 +254,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
     kwargs.update(_pool(rd, top.get("pool"), base))
     kwargs.update(_profiles(rd, top.get("profiles", {}), base))
-    binding = top.get("decode_binding", "late")
-    if binding not in ("arrival", "late"):
+    binding = top.get("decode_binding", DEFAULT_DECODE_BINDING)
+    if binding not in DECODE_BINDINGS:
         raise rd.fail("decode_binding", f"must be arrival or late, got {binding!r}")
     kwargs["decode_binding"] = binding
     kwargs["prefix_index"] = rd.boolean(top.get("prefix_index", False), "prefix_index")

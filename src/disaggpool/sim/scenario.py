@@ -20,6 +20,8 @@ from disaggpool.core.autoscaling_baselines import AUTOSCALERS
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
+    DECODE_BINDINGS,
+    DEFAULT_DECODE_BINDING,
     NEEDS_DATASHEET,
     NEEDS_PREFIX_INDEX,
     POLICY_NAMES,
@@ -198,8 +200,8 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             "priority_scheduling",
         },
     )
-    binding = r.get("decode_binding", "late")  # the sidecar's default
-    if binding not in ("arrival", "late"):
+    binding = r.get("decode_binding", DEFAULT_DECODE_BINDING)
+    if binding not in DECODE_BINDINGS:
         raise rd.fail("router.decode_binding", f"must be arrival or late, got {binding!r}")
     below = r.get("local_prefill_below", 0)
     return (

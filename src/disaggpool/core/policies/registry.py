@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Literal, get_args
 
 from disaggpool.core.policies.base import Policy
 from disaggpool.core.policies.baselines import (
@@ -27,16 +28,26 @@ from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
     "CALIBRATED_FAMILY",
+    "DECODE_BINDINGS",
+    "DEFAULT_DECODE_BINDING",
     "NEEDS_DATASHEET",
     "NEEDS_PREFIX_INDEX",
     "POLICY_NAMES",
     "ROUTER_POLICIES",
+    "DecodeBinding",
     "PolicyOptions",
     "default_options",
     "make_policy",
 ]
 
 Datasheet = Mapping[str, CalibrationProfile]
+
+#: When a router that runs both legs chooses the decode pod: with the prefill pod on arrival, or
+#: when the prefill leg answers (`late`), on what the pool looks like then. Every router's
+#: default (the sidecar's config, the CRD, the simulator's scenarios) is `late`.
+DecodeBinding = Literal["arrival", "late"]
+DECODE_BINDINGS: tuple[DecodeBinding, ...] = get_args(DecodeBinding)
+DEFAULT_DECODE_BINDING: DecodeBinding = "late"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
