@@ -307,9 +307,8 @@ class PDPair:
         as docs/vllm-protocol.md §2.5 says for a failed handshake.
         So: one plain request to each engine, then up to three handoffs, until one succeeds
         well inside the lease (a leg that outlived it "succeeded" on blocks P had freed, and
-        left P an expired request; CI once saw the next handoff, the front door's, answered
-        HTTP 502 after such a warm-up), during which P gets small requests that keep its engine
-        loop moving.
+        left P an expired request: CI saw a 30.2 s warm-up leg), during which P gets small
+        requests that keep its engine loop moving.
         """
         t_start = time.monotonic()
         plain = {"model": SERVED_MODEL, "prompt": "gek kar", "max_tokens": 2}

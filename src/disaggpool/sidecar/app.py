@@ -182,7 +182,7 @@ def run_forever(config: SidecarConfig) -> None:
         await running.drain()
 
     # On uvloop where it is installed (a dependency everywhere but Windows): the gRPC router
-    # serves about 8% more routes per core on it than on asyncio's loop, with a lower p50 at
+    # serves about 9% more routes per core on it than on asyncio's loop, with a lower p50 at
     # 1,000 routes/s (BENCHMARKS.md, "uvloop and orjson"); the front door is level on either.
     try:
         import uvloop
