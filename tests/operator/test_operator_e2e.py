@@ -609,7 +609,8 @@ async def test_a_job_holding_a_probes_name_without_its_labels_is_reported(
     cluster: Cluster,
 ) -> None:
     """A Job the operator cannot find by its labels but whose name a probe needs is a Warning
-    event on the pool, not a silent skip (how a label drift once hid every probe Job)."""
+    event on the pool, not a silent skip (how a label drift once hid every probe Job); each
+    later pass counts on that Event rather than adding one."""
     from disaggpool.operator.names import PoolRef, job_name
 
     ns = "squatted"
@@ -639,6 +640,12 @@ async def test_a_job_holding_a_probes_name_without_its_labels_is_reported(
         )
         line = next((x for x in events.splitlines() if "CalibrationBlocked" in x), "")
         assert "Warning" in line and squatter in line, events
+        await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        blocked = [
+            e for e in _json(cluster, "events", "-n", ns)["items"]
+            if e["reason"] == "CalibrationBlocked"
+        ]  # fmt: skip
+        assert [e["count"] for e in blocked] == [2], blocked
     finally:
         await kube.close()
         cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -10,6 +10,7 @@ selector), and no model round-trip drops unknown fields.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import json
@@ -28,6 +29,9 @@ __all__ = ["ApiError", "Kube", "Objects"]
 log = logging.getLogger("disaggpool.kubeclient")
 
 Objects = dict[str, dict[str, Any]]
+
+#: Events remembered for aggregation (the least recently repeated forgotten first).
+_EVENTS_KEPT = 1024
 
 
 class ApiError(RuntimeError):
@@ -56,6 +60,11 @@ class Kube:
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Events recorded by this client: (object uid, type, reason, message) -> (namespace,
+        # name, count), so that a repeat is counted on the same Event (`event`).
+        self._events: collections.OrderedDict[tuple[str, ...], tuple[str, str, int]] = (
+            collections.OrderedDict()
+        )
 
     @classmethod
     def from_environment(
@@ -185,15 +194,35 @@ class Kube:
         warning: bool = False,
         component: str = "disaggpool-operator",
     ) -> None:
-        """Record a core/v1 Event on an object (what `kubectl describe` shows)."""
+        """Record a core/v1 Event on an object (what `kubectl describe` shows). The same event
+        again (same object, type, reason and message) raises the `count` and `lastTimestamp` of
+        the one recorded, as Kubernetes' own event recorder aggregates, rather than adding an
+        Event per repeat; a new one is created if that one has expired meanwhile."""
         md = involved.get("metadata") or {}
         namespace = str(md.get("namespace") or "default")
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        kind = "Warning" if warning else "Normal"
+        key = (str(md.get("uid")), kind, reason, message[:1024])
+        seen = self._events.get(key)
+        if seen is not None:
+            ns, name, count = seen
+            try:
+                await self.merge_patch(
+                    path_for("v1", "Event", ns, name), {"count": count + 1, "lastTimestamp": now}
+                )
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+            else:
+                self._events[key] = (ns, name, count + 1)
+                self._events.move_to_end(key)
+                return
+        event_name = f"{md.get('name', 'obj')}.{uuid.uuid4().hex[:16]}"
         body = {
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {
-                "name": f"{md.get('name', 'obj')}.{uuid.uuid4().hex[:16]}",
+                "name": event_name,
                 "namespace": namespace,
             },
             "involvedObject": {
@@ -206,7 +235,7 @@ class Kube:
             },
             "reason": reason,
             "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
+            "type": kind,
             "source": {"component": component},
             "firstTimestamp": now,
             "lastTimestamp": now,
@@ -215,6 +244,9 @@ class Kube:
             "reportingInstance": component,
         }
         await self.create(path_for("v1", "Event", namespace), body)
+        self._events[key] = (namespace, event_name, 1)
+        if len(self._events) > _EVENTS_KEPT:
+            self._events.popitem(last=False)
 
     async def watch(
         self,
