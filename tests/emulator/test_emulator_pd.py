@@ -353,7 +353,9 @@ def test_rejected_decode_leg_releases_prefill_blocks(start_emulator: Any, http: 
     kv = prefill_leg(http, p, "/v1/completions", {"prompt": PROMPT}, "rj")["kv_transfer_params"]
     threads = [
         threading.Thread(
-            target=lambda: http.post(d.url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+            # 40 tokens at 50 ms: the first request still runs while the second is checked, on
+            # a loaded machine too (at 4 tokens, CI once saw it finish before that check).
+            target=lambda: http.post(d.url + "/v1/completions", {"prompt": "x", "max_tokens": 40})
         )
         for _ in range(2)
     ]
