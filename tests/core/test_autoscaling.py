@@ -54,6 +54,8 @@ def demand(**over: object) -> Demand:
         mean_prompt=900.0,
         mean_output=200.0,
         work_cv=0.0,
+        slot_context=1000.0,
+        slot_cv=0.0,
         ttft_ratio_p90=0.5,
         tpot_ratio_p90=0.5,
         finished=100,
@@ -73,15 +75,28 @@ def test_capacity_is_the_largest_batch_meeting_the_tpot_target_and_the_kv() -> N
     assert decode_capacity(small, 900, 200, 0.03).batch == 10
 
 
+def test_capacity_at_the_context_a_decode_slot_holds() -> None:
+    # Half code: the request mean prompt 1,400 overstates what a slot holds (context 700 here).
+    # step 0.01 + 1e-6 * b * 700 <= 0.03 -> b <= 28; KV b * (700 + 100) <= 30000 -> b <= 37.
+    cap = decode_capacity(PROFILE, 1400, 200, 0.03, context=700.0)
+    assert cap.batch == 28
+    assert cap.batch > decode_capacity(PROFILE, 1400, 200, 0.03).batch  # 13 at context 1,500
+    # The final KV still binds: 11,000 tokens hold 13 sequences of 700 + 100.
+    small = dataclasses.replace(PROFILE, kv_capacity_tokens=11_000)
+    assert decode_capacity(small, 1400, 200, 0.03, context=700.0).batch == 13
+
+
 def test_headroom_grows_with_heterogeneity_and_burstiness() -> None:
     # L = 10 req/s * 6 s = 60 slots; S = L + z sqrt(D L (1 + cv^2)).
     assert slots_needed(demand(), 6.0, Z90, 0.0) == pytest.approx(60 + Z90 * math.sqrt(60))
-    assert slots_needed(demand(work_cv=1.0), 6.0, Z90, 0.0) == pytest.approx(
+    assert slots_needed(demand(slot_cv=1.0), 6.0, Z90, 0.0) == pytest.approx(
         60 + Z90 * math.sqrt(120)
     )
-    assert slots_needed(demand(work_cv=1.0, dispersion=4.0), 6.0, Z90, 0.0) == pytest.approx(
+    assert slots_needed(demand(slot_cv=1.0, dispersion=4.0), 6.0, Z90, 0.0) == pytest.approx(
         60 + Z90 * math.sqrt(480)
     )
+    # The per-request spread is not what a decode slot sees: it does not move the headroom.
+    assert slots_needed(demand(work_cv=3.0), 6.0, Z90, 0.0) == slots_needed(demand(), 6.0, Z90, 0.0)
     # Under-dispersed counts never shrink the headroom below Poisson's.
     assert slots_needed(demand(dispersion=0.3), 6.0, Z90, 0.0) == slots_needed(
         demand(), 6.0, Z90, 0.0
@@ -106,7 +121,10 @@ def test_replicas_from_the_hand_computed_need() -> None:
     # 10 req/s, residence 200 * 0.03 = 6 s, batch 20: (60 + 1.28 sqrt(60)) / 20 = 3.5 -> 4.
     assert s.wish(demand())[0] == 4
     # cv 1, dispersion 4: (60 + 1.28 sqrt(480)) / 20 = 4.4 -> 5.
-    assert s.wish(demand(work_cv=1.0, dispersion=4.0))[0] == 5
+    assert s.wish(demand(slot_cv=1.0, dispersion=4.0))[0] == 5
+    # A mix whose slots hold less context fits more sequences per pod: context 700, batch 28,
+    # step 0.0296: L = 10 * 200 * 0.0296 = 59.2, (59.2 + 1.28 sqrt(59.2)) / 28 = 2.5 -> 3.
+    assert s.wish(demand(slot_context=700.0))[0] == 3
     # 40 requests queued for a slot: (69.9 + 40) / 20 -> 6.
     assert s.wish(demand(), waiting=40)[0] == 6
     assert s.decide(demand(), PoolState(ready=1, starting=0)).replicas == 4

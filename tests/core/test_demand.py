@@ -75,6 +75,25 @@ def test_mix_comes_from_the_last_finished_requests_and_slo_ratios_from_the_windo
     assert later.mean_output == 20.0 and later.finished == 0 and later.ttft_ratio_p90 == 0.0
 
 
+def test_a_decode_slot_sees_the_mix_weighted_by_how_long_each_request_stays() -> None:
+    w = DemandWindow(mix_requests=8)
+    # A chat (prompt 1,000, 200 out) and a code completion (prompt 2,000, 20 out): contexts
+    # 1,100 and 2,010 over their lives, held 200 and 20 steps.
+    w.finished(1.0, 1000, 200, 0.5, 0.5)
+    w.finished(2.0, 2000, 20, 0.5, 0.5)
+    d = w.demand(3.0)
+    mean = (200 * 1100 + 20 * 2010) / 220
+    assert d.slot_context == pytest.approx(mean)  # 1,182.7, where the request mean is 1,555
+    sd = math.sqrt((200 * (1100 - mean) ** 2 + 20 * (2010 - mean) ** 2) / 220)
+    assert d.slot_cv == pytest.approx(sd / mean)
+    assert d.slot_cv < d.work_cv  # the long prompt counts for its 20 steps only
+    # Nothing generated still took a step; one request has no spread.
+    one = DemandWindow()
+    one.finished(1.0, 500, 0, 0.5, 0.5)
+    assert (one.demand(2.0).slot_context, one.demand(2.0).slot_cv) == (500.0, 0.0)
+    assert (DemandWindow().demand(1.0).slot_context, DemandWindow().demand(1.0).slot_cv) == (0, 0)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

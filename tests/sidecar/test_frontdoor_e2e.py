@@ -380,6 +380,9 @@ def test_the_routers_autoscaler_reads_the_traffic_it_routes(start_pool, start_si
     rate = metric(sc.url, "disaggpool_demand_requests_per_second")
     tokens = metric(sc.url, "disaggpool_demand_tokens_per_second")
     assert tokens > 30 * rate  # every request carried 40+ prompt and 30 output tokens
+    # What a decode slot holds: a prompt of 40+ tokens and half of the 30 generated.
+    assert metric(sc.url, "disaggpool_demand_decode_context_tokens") > 40 + 15
+    assert 0 < metric(sc.url, "disaggpool_demand_decode_context_cv") < 1
     service = sc.running.service
     assert service.demand.demand(service.clock()).finished == 24
     assert metric(sc.url, "disaggpool_pool_annotation_failures_total") == 0

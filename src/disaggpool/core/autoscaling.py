@@ -5,15 +5,23 @@ no clock, no I/O. The simulator and the router (`sidecar.autoscale`, whose recom
 operator applies) run this code.
 
 **Capacity of one instance for the current mix** (`decode_capacity`, the calibrated constants):
-the largest batch B whose step time at the mix's mean context meets the TPOT target, fits the KV
-cache and `max_num_seqs`. A request then occupies a slot for its output length times that step
-time, its *residence* R = E[output] * step(B).
+the largest batch B whose step time at the mean context of a decoding sequence meets the TPOT
+target, fits the KV cache and `max_num_seqs`. A request then occupies a slot for its output
+length times that step time, its *residence* R = E[output] * step(B). The mean context is that
+of the sequences a pod holds at a random instant (`Demand.slot_context`): each request's context
+over its life, prompt + output / 2, weighted by its output tokens, since a request stays as many
+steps as it generates. The plain mean over requests would count a code completion's long prompt,
+held 28 steps, as much as a chat's, held 211: with half the requests code it overstates the
+context by 18% and understates B by as much.
 
 **Headroom, derived.** With arrivals at rate lambda and residence R, the number of sequences in
 the pool is that of an M/G/infinity system: Poisson with mean L = lambda * R whatever the length
-distribution. But a slot is sized for the *mean* context; a request of token work w fills w /
-E[w] of one, so the load in mean-sized slots is a compound Poisson sum with mean L and variance
-L * E[(w/E[w])^2] = L * (1 + cv^2), cv the traffic heterogeneity of `core.heterogeneity`. Bursty
+distribution. But a slot is sized for the *mean* context c-bar; a sequence of context c fills
+c / c-bar of one. The sequences present at an instant are the requests weighted by residence, so
+the load in mean-sized slots is a compound Poisson sum with mean L and variance
+L * E_w[(c/c-bar)^2] = L * (1 + cv^2), cv the traffic's heterogeneity as the decode pool sees it
+(`Demand.slot_cv`: the CV of context under that weighting; `core.heterogeneity`'s CV of prompt +
+output per request is the same spread counted per request, not per step held). Bursty
 arrivals scale the variance again by the index of dispersion D of arrival counts (1 for Poisson).
 So the pool must hold
 
@@ -78,16 +86,27 @@ class DecodeCapacity:
 
 
 def decode_capacity(
-    profile: CalibrationProfile, mean_prompt: float, mean_output: float, tpot_s: float
+    profile: CalibrationProfile,
+    mean_prompt: float,
+    mean_output: float,
+    tpot_s: float,
+    *,
+    context: float | None = None,
 ) -> DecodeCapacity:
     """The largest batch whose step at the mix's mean context meets `tpot_s` and whose KV fits;
-    at least 1 (an instance too slow for the target still serves one sequence at a time)."""
+    at least 1 (an instance too slow for the target still serves one sequence at a time).
+    `context`: the mean context of a decoding sequence (`Demand.slot_context`); by default
+    `mean_prompt + mean_output / 2`, every request counted alike."""
     out = max(1.0, mean_output)
-    ctx = mean_prompt + out / 2.0  # a sequence's mean context over its output
+    ctx = mean_prompt + out / 2.0 if context is None else context
+    # Room for every sequence's final KV, half an output past its mean context: sized for the
+    # mean instead (the KV a steady state holds), decode KV ran out in bursts and lost up to 5
+    # points of goodput in `sim autoscale` (3 on average).
+    kv = ctx + out / 2.0
     best, best_step = 1, profile.decode.step(1, ctx)
     for b in range(1, profile.max_num_seqs + 1):
         step = profile.decode.step(b, b * ctx)
-        if step > tpot_s or b * (ctx + out / 2.0) > profile.kv_capacity_tokens:
+        if step > tpot_s or b * kv > profile.kv_capacity_tokens:
             break
         best, best_step = b, step
     return DecodeCapacity(best, best_step, best / (out * best_step))
@@ -189,7 +208,7 @@ def slots_needed(demand: Demand, residence_s: float, z: float, lookahead_s: floa
     load = rate * residence_s
     if load <= 0:
         return 0.0
-    spread = max(1.0, demand.dispersion) * load * (1.0 + demand.work_cv**2)
+    spread = max(1.0, demand.dispersion) * load * (1.0 + demand.slot_cv**2)
     return load + z * math.sqrt(spread)
 
 
@@ -221,7 +240,9 @@ class HeterogeneityScaler:
         if demand.arrival_rps <= 0 and waiting == 0:
             return 0, "no traffic in the window"
         caps = [
-            decode_capacity(p, demand.mean_prompt, demand.mean_output, self.tpot_s)
+            decode_capacity(
+                p, demand.mean_prompt, demand.mean_output, self.tpot_s, context=demand.slot_context
+            )
             for p in self.profiles
         ]
         # A new pod's capacity is unknown until probed: plan with the pool's median instance.
@@ -231,8 +252,9 @@ class HeterogeneityScaler:
         slots = slots_needed(demand, residence, self.z, self.bounds.startup_s) + waiting
         n = math.ceil(slots / batch - 1e-9)
         return n, (
-            f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s), cv "
-            f"{demand.work_cv:.2f}, dispersion {demand.dispersion:.2f}, {waiting} waiting: "
+            f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s), context "
+            f"{demand.slot_context:.0f} cv {demand.slot_cv:.2f}, dispersion "
+            f"{demand.dispersion:.2f}, {waiting} waiting: "
             f"{slots:.1f} slots of {batch:g} -> {n}"
         )
 

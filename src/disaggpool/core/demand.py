@@ -16,6 +16,13 @@ latencies against its class's targets) and summarises the last `window_s` second
 * **mix**: mean prompt and output tokens of the last `mix_requests` finished requests (however
   old: a pool that finishes nothing for a while still knows its mix), and the traffic
   heterogeneity of `core.heterogeneity` (the coefficient of variation of prompt + output tokens);
+* **what a decode slot holds**: the same requests seen from a decode instance, where a request
+  stays for as many steps as it has output tokens and holds its context (prompt plus the tokens
+  generated so far) meanwhile. Its mean context over its life is prompt + output / 2; weighted
+  by output tokens (how long it is there), the mean and CV of that context are what the
+  sequences found in a decode pool at a random instant hold. The two views differ where output
+  and prompt lengths do not go together: a code completion's 2,000-token prompt is in the
+  request mean as much as a chat's 1,100, but it stays 28 steps against 211;
 * **SLO attainment**: the P90 of TTFT / target and TPOT / target over the requests finished in
   the window.
 
@@ -46,6 +53,8 @@ class Demand:
     mean_prompt: float
     mean_output: float
     work_cv: float  # heterogeneity: CV of prompt + output tokens per finished request
+    slot_context: float  # mean context of a decoding sequence, weighted by its output tokens
+    slot_cv: float  # CV of that context under the same weighting
     ttft_ratio_p90: float  # P90 of TTFT / the class's TTFT target; 0 with nothing finished
     tpot_ratio_p90: float
     finished: int
@@ -139,6 +148,7 @@ class DemandWindow:
         done = list(self._done)
         mix = list(self._mix)
         work = [float(d.prompt + d.output) for d in mix]
+        slot_context, slot_cv = _slot_context(mix)
         return Demand(
             now=now,
             window_s=span,
@@ -151,6 +161,8 @@ class DemandWindow:
             mean_prompt=_mean([d.prompt for d in mix]),
             mean_output=_mean([d.output for d in mix]),
             work_cv=0.0 if len(work) < 2 else _finite(coefficient_of_variation(work)),
+            slot_context=slot_context,
+            slot_cv=slot_cv,
             ttft_ratio_p90=percentile([d.ttft_ratio for d in done], 90) if done else 0.0,
             tpot_ratio_p90=percentile([d.tpot_ratio for d in done], 90) if done else 0.0,
             finished=len(done),
@@ -159,6 +171,21 @@ class DemandWindow:
 
 def _mean(values: list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def _slot_context(mix: list[_Done]) -> tuple[float, float]:
+    """Mean and CV of a decoding sequence's context (prompt + output / 2), each request weighted
+    by its output tokens (at least 1: a request that generated nothing still took a step)."""
+    if not mix:
+        return 0.0, 0.0
+    weights = [max(1, d.output) for d in mix]
+    contexts = [d.prompt + d.output / 2.0 for d in mix]
+    total = sum(weights)
+    mean = sum(w * c for w, c in zip(weights, contexts, strict=True)) / total
+    if len(mix) < 2 or mean <= 0:
+        return mean, 0.0
+    var = sum(w * (c - mean) ** 2 for w, c in zip(weights, contexts, strict=True)) / total
+    return mean, _finite(math.sqrt(var) / mean)
 
 
 def _finite(x: float) -> float:

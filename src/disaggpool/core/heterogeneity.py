@@ -1,12 +1,13 @@
 """Traffic heterogeneity: how unequal the requests of the recent past are.
 
-Definition (exported by the sidecar as `disaggpool_traffic_heterogeneity`, read by the decode
-autoscaler): over a sliding window of the last `window` finished requests, the coefficient of
-variation (standard deviation / mean) of each request's *token work*, prompt tokens plus output
-tokens. 0 means identical requests, where every policy that spreads evenly is as good as any
-other; the calibrated router's gain grows with it (the README's heterogeneity sweep). Token
-work rather than predicted seconds keeps the signal independent of any instance's calibration,
-so it means the same before and after a re-probe.
+Definition (exported by the sidecar as `disaggpool_traffic_heterogeneity`; the decode autoscaler
+sizes its headroom by the spread of the contexts a decode pod holds, each request weighted by how
+long it stays, `core.demand`'s `slot_cv`): over a sliding window of the last `window` finished
+requests, the coefficient of variation (standard deviation / mean) of each request's *token work*,
+prompt tokens plus output tokens. 0 means identical requests, where every policy that spreads evenly
+is as good as any other; the calibrated router's gain grows with it (the README's heterogeneity
+sweep). Token work rather than predicted seconds keeps the signal independent of any instance's
+calibration, so it means the same before and after a re-probe.
 
 Pure: the caller feeds observations; no clock, O(1) per observation (ring buffer + running sums,
 re-summed every `window` observations so floating-point drift cannot accumulate).

@@ -24,7 +24,9 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
 * `disaggpool_demand_requests_per_second`, `disaggpool_demand_tokens_per_second` (the same
   times the mean prompt + output tokens of recent requests) and `disaggpool_demand_dispersion`
   (arrivals over the last minute, their index of dispersion over ten: `core.demand`, computed at
-  scrape time); with `autoscaling`:
+  scrape time), `disaggpool_demand_decode_context_tokens` and `disaggpool_demand_decode_context_cv`
+  (the mean and CV of the context a decoding sequence holds, each request weighted by its output
+  tokens: the spread the decode autoscaler's headroom is sized by); with `autoscaling`:
   `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends);
   `disaggpool_pod_prediction_error{pod}` (the pod's drift error, `core.drift`: median relative
   error of its recent TTFT or TPOT predictions, the larger) and
@@ -151,6 +153,8 @@ class _DemandCollector(Collector):
             ("requests_per_second", "arrivals per second over the last minute", d.arrival_rps),
             ("tokens_per_second", "arrivals x mean prompt + output tokens", tokens),
             ("dispersion", "index of dispersion of arrivals (1 = Poisson)", d.dispersion),
+            ("decode_context_tokens", "mean context a decoding sequence holds", d.slot_context),
+            ("decode_context_cv", "its CV, what the decode headroom is sized by", d.slot_cv),
         ):
             yield GaugeMetricFamily(f"disaggpool_demand_{name}", text, value=value)
 
