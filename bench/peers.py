@@ -2,10 +2,13 @@
 
 Goodput
 -------
-A fixed pool of the demo's boards (`disaggpool.demo`, `DECODE_SPEEDS`; the demo itself now
-places its boards by the split search): 1 prefill + 3 decode emulator processes of Llama-3-8B on an
-A40, the decode boards at 1.0x, 0.55x and 1.25x speed, timed by hidden true profiles; every pod
-calibrated by the probe (`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
+A fixed pool of the demo's boards (`disaggpool.demo`, `DECODE_SPEEDS`): 1 prefill + 3 decode
+emulator processes of Llama-3-8B on an A40, the decode boards at 1.0x, 0.55x and 1.25x speed,
+timed by hidden true profiles, where the routers differ in where each request decodes. Or, with
+`--pool placed`, the demo's own pool: its four boards placed by its split search (the placement
+that carries the most traffic at round-robin's 0.85 point, 3 prefill + 1 decode on this trace),
+where they differ in which prefill pod takes each prompt. Every pod calibrated by the probe
+(`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
 trace (Azure 2023 conversation lengths, Gamma CV 3 arrivals) at the rate where round-robin
 attains 0.85 goodput in the simulator, `--duration` seconds of it, replayed by `disaggpool
 loadgen` through (a) `disaggpool sidecar` with each of our policies, (b) `vllm-router` (PyPI,
@@ -16,9 +19,9 @@ events from prefix-caching pods, consistent_hash and sticky_least_loaded a sessi
 trace has neither: bench/prefix_emulated.py runs kv_aware on a Mooncake slice.) Every router
 replays the same trace on the same pods, one after the other, the pods idle in between.
 Per row: goodput with its 95% bootstrap interval over requests, TTFT and TPOT p50/p99, errors,
-the requests each decode pod served (the pods' own `vllm:request_success_total`), and how many
-prompts the decode pods prefilled themselves (the P/D decider's local path: the requests the
-prefill pod did not serve).
+the requests each pod served (the pods' own `vllm:request_success_total`), and how many prompts
+the decode pods prefilled themselves (the P/D decider's local path: the requests the prefill
+pods did not serve).
 
 Overhead
 --------
@@ -35,8 +38,8 @@ path itself saturates (its p99 over 50 ms, or an error): beyond, the client and 
 core, not the router, would be measured.
 
 Run: ``.venv/bin/python bench/peers.py [--quick] [--duration S] [--part goodput|overhead|all]
-[--json FILE]``; ``--quick`` (a 20 s trace, two policies each, 60 overhead samples) takes about 6
-minutes, the default about 22.
+[--pool fixed|placed] [--json FILE]``; ``--quick`` (a 20 s trace, two policies each, 60 overhead
+samples) takes about 6 minutes, the default about 22.
 """
 
 from __future__ import annotations
@@ -63,13 +66,19 @@ import benchutil
 from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.stats import bootstrap_share_interval, percentile
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.stats import (
+    bootstrap_paired_difference_interval,
+    bootstrap_share_interval,
+    percentile,
+)
 from disaggpool.demo import (
     DECODE_SPEEDS,
     DemoConfig,
     demo_trace,
     free_port,
     operating_rate,
+    placed_pool,
     processes,
     serve_policy,
     start_calibrated_pool,
@@ -103,14 +112,25 @@ def _successes(url: str) -> float:
     return promtext.total(promtext.parse(text, [name]), name)
 
 
+def _describe(pods: dict[str, tuple[str, CalibrationProfile]]) -> str:
+    """E.g. "1 prefill (1.0x) + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated"."""
+    parts = []
+    for role in ("prefill", "decode"):
+        speeds = [A40.prefill.p1 / p.prefill.p1 for r, p in pods.values() if r == role]
+        parts.append(f"{len(speeds)} {role} ({', '.join(f'{s:.3g}x' for s in speeds)}")
+    return f"{parts[0]}) + {parts[1]} an A40), Llama-3-8B, emulated"
+
+
 def _row(
     router: str,
     policy: str,
     report: LoadReport,
     served: dict[str, int],
+    decode: Sequence[str],
     prefilled_here: int,
     seed: int,
 ) -> dict[str, Any]:
+    """One router and policy's JSON row; `served`: requests per pod, `decode` the decode pods."""
     met = [report.met(r) for r in report.results]
     summary = report.summary()
     return {
@@ -122,7 +142,8 @@ def _row(
         **{key: round(summary[key], 4) for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s")},
         "tpot_p99_s": round(summary["tpot_p99_s"], 4),
         "errors": summary["errors"],
-        "served_by_pod": served,
+        "served_by_pod": {n: v for n, v in served.items() if n in decode},
+        "served_by_prefill_pod": {n: v for n, v in served.items() if n not in decode},
         "prefilled_by_decode_pods": prefilled_here,
         "overhead_p50_ms": None,
         "overhead_p99_ms": None,
@@ -133,16 +154,20 @@ def _row(
 def measure_goodput(
     cfg: DemoConfig, ours: Sequence[str], theirs: Sequence[str], router: Path | None
 ) -> dict[str, Any]:
-    assert cfg.prefill_speeds is not None and cfg.decode_speeds is not None  # a fixed pool
-    pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
+    """The goodput part on `cfg`'s fixed pool, or on the pool its placement search chooses."""
     base, slo = demo_trace(cfg.seed, cfg.trace)
+    if cfg.prefill_speeds is not None and cfg.decode_speeds is not None:
+        pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
+        rate, trace = operating_rate(pods, base, slo, cfg.duration_s, cfg.seed)
+    else:  # before any pod starts: the search has the machine's cores
+        placed = placed_pool(cfg, base, slo)
+        pods, rate, trace = placed.pods, placed.rate, placed.trace
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     exe = [sys.executable, "-m", "disaggpool"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="dp-peers-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
         urls, fitted = start_calibrated_pool(cfg, pods, tmp, procs)
-        rate, trace = operating_rate(pods, base, slo, cfg.duration_s, cfg.seed)
         decode = [n for n, (role, _) in pods.items() if role == "decode"]
         members = {
             role: [{"name": n, "url": urls[n]} for n, (r, _) in pods.items() if r == role]
@@ -150,6 +175,7 @@ def measure_goodput(
         }
         runs = [("disaggpool", p) for p in ours]
         runs += [("vllm-router", p) for p in theirs] if router is not None else []
+        met_by_run: list[list[bool]] = []
         for who, policy in runs:
             before = {n: _successes(u) for n, u in urls.items()}
             if who == "disaggpool":
@@ -161,10 +187,16 @@ def measure_goodput(
             served = {n: int(_successes(u) - before[n]) for n, u in urls.items()}
             by_prefill_pods = sum(v for n, v in served.items() if n not in decode)
             local = len(trace) - by_prefill_pods
-            decode_served = {n: served[n] for n in decode}
-            rows.append(_row(who, policy, report, decode_served, local, cfg.seed))
+            rows.append(_row(who, policy, report, served, decode, local, cfg.seed))
+            met_by_run.append([report.met(r) for r in report.results])
+    # The first row's goodput (ours, calibrated) minus each other's, request by request on the
+    # same trace: what the runs share cancels, so this tells apart what overlapping intervals
+    # cannot.
+    for row, met in zip(rows, met_by_run, strict=True):
+        paired = bootstrap_paired_difference_interval(met_by_run[0], met, cfg.seed)
+        row["first_minus_this_ci"] = None if row is rows[0] else [round(x, 4) for x in paired]
     return {
-        "pool": "1 prefill + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated",
+        "pool": _describe(pods),
         "rate_rps": round(rate, 3),
         "duration_s": cfg.duration_s,
         "requests": len(trace),
@@ -406,17 +438,23 @@ def _rate_ladder(
 
 
 def measure(
-    quick: bool, duration_s: float | None, seed: int, peers: bool, part: str = "all"
+    quick: bool,
+    duration_s: float | None,
+    seed: int,
+    peers: bool,
+    part: str = "all",
+    pool: str = "fixed",
 ) -> dict[str, Any]:
     router = vllm_router() if peers else None
     doc: dict[str, Any] = {"vllm_router": VLLM_ROUTER if router is not None else None, "rows": []}
     if part in ("goodput", "all"):
-        cfg = DemoConfig(
-            duration_s=duration_s or (20.0 if quick else 90.0),
-            seed=seed,
-            prefill_speeds=(1.0,),
-            decode_speeds=DECODE_SPEEDS,
-        )
+        duration = duration_s or (20.0 if quick else 90.0)
+        if pool == "fixed":
+            cfg = DemoConfig(
+                duration, seed=seed, prefill_speeds=(1.0,), decode_speeds=DECODE_SPEEDS
+            )
+        else:  # the demo's boards, placed by its split search
+            cfg = DemoConfig(duration, seed=seed)
         ours, theirs = (QUICK_OURS, QUICK_THEIRS) if quick else (OURS, THEIRS)
         doc["goodput"] = measure_goodput(cfg, ours, theirs, router)
         doc["rows"] = doc["goodput"]["rows"]
@@ -433,6 +471,11 @@ def measure(
     return doc
 
 
+def _points(ci: Sequence[float] | None) -> str:
+    """A difference of goodputs' interval in points, e.g. "+0.4 to +3.1"; "" for none."""
+    return f"{100 * ci[0]:+.1f} to {100 * ci[1]:+.1f}" if ci else ""
+
+
 def render(doc: dict[str, Any]) -> str:
     res = doc["peers"]
     g = res.get("goodput")
@@ -443,6 +486,10 @@ def render(doc: dict[str, Any]) -> str:
             "TTFT p50/p99 s": f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}",
             "TPOT p50/p99 ms": f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p99_s'] * 1000:.1f}",
             "requests per decode pod": " / ".join(str(v) for v in r["served_by_pod"].values()),
+            "prompts per prefill pod": " / ".join(
+                str(v) for v in r.get("served_by_prefill_pod", {}).values()
+            ),
+            "first minus this (paired 95%)": _points(r.get("first_minus_this_ci")),
             "prefilled on decode pods": r.get("prefilled_by_decode_pods", ""),
             "overhead p50/p99 ms": (
                 f"{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}"
@@ -452,8 +499,9 @@ def render(doc: dict[str, Any]) -> str:
         }
         for r in res["rows"]
     ]
-    cols = ["router", "policy", "goodput", "95% interval", "TTFT p50/p99 s", "TPOT p50/p99 ms",
-            "errors", "requests per decode pod", "prefilled on decode pods",
+    cols = ["router", "policy", "goodput", "95% interval", "first minus this (paired 95%)",
+            "TTFT p50/p99 s", "TPOT p50/p99 ms", "errors", "requests per decode pod",
+            "prompts per prefill pod", "prefilled on decode pods",
             "overhead p50/p99 ms"]  # fmt: skip
     out = ""
     if g:
@@ -497,13 +545,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peers", action="store_true", help="leave vllm-router out")
     ap.add_argument("--part", choices=("goodput", "overhead", "all"), default="all")
+    ap.add_argument(
+        "--pool",
+        choices=("fixed", "placed"),
+        default="fixed",
+        help="goodput on 1 prefill + 3 decode (fixed) or on the demo's placed pool",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.duration is not None and args.duration <= 0:
         ap.error(f"--duration must be positive, got {args.duration}")
     peers = not args.no_peers
     benchutil.measure_and_report(
-        lambda: {"peers": measure(args.quick, args.duration, args.seed, peers, args.part)},
+        lambda: {
+            "peers": measure(args.quick, args.duration, args.seed, peers, args.part, args.pool)
+        },
         render,
         args.json,
     )
