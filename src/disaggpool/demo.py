@@ -17,7 +17,8 @@
    `POST /reset_prefix_cache`, the emulators started with `VLLM_SERVER_DEV_MODE=1`), and every
    sidecar keeping its prefix index (`prefix_index: true`).
 2. **Calibration.** `disaggpool calibrate` probes every pod over HTTP, as the operator's Job does
-   (decode pods with the prefill pod as KV peer), and writes the fitted profiles.
+   (decode pods with the prefill pod as KV peer), and writes the fitted profiles; a fit that
+   comes out poor is probed again, up to `PROBE_ATTEMPTS` times, as the operator does.
 3. **Operating point.** The trace is the embedded Azure 2023 conversation trace
    (`formats.embedded`; lengths clipped to 2048/256 tokens) with bursty Gamma arrivals (CV 3),
    or with `--trace mooncake` a contiguous slice of the embedded Mooncake conversation trace
@@ -120,6 +121,7 @@ MOONCAKE_DECODE_SPEEDS = (1.0, 0.55)
 MOONCAKE_POLICIES = ("calibrated", "round_robin", "least_loaded", "cache_aware", "dynamo_kv")
 MOONCAKE_CLIP = (7680, 64)  # prompt, output: within the profile's 8,192-token context
 MAX_NUM_SEQS = 64
+PROBE_ATTEMPTS = 3  # a poor fit probed again, as the operator's `calibration.maxAttempts`
 TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10
@@ -473,12 +475,18 @@ def start_calibrated_pool(
                "--max-num-seqs", str(MAX_NUM_SEQS)]  # fmt: skip
         if role == "decode":
             cmd += ["--peer", prefill_url]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        said = stderr_messages(done.stderr)
-        if done.returncode not in (0, 3):
-            detail = "\n".join(said[-10:]) or done.stderr[-2000:]
-            raise RuntimeError(f"calibrating {name} failed (exit {done.returncode}):\n{detail}")
-        _say("  " + (said or ["?"])[-1])
+        # A poor fit (exit 3, a machine busy while it probed) is probed again, as the operator
+        # does by default (`calibration.reprobeOnPoor`, `maxAttempts`); the last one is kept.
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            said = stderr_messages(done.stderr)
+            if done.returncode not in (0, 3):
+                detail = "\n".join(said[-10:]) or done.stderr[-2000:]
+                raise RuntimeError(f"calibrating {name} failed (exit {done.returncode}):\n{detail}")
+            _say("  " + (said or ["?"])[-1])
+            if done.returncode == 0 or attempt == PROBE_ATTEMPTS:
+                break
+            _say(f"  {name}: the fit is poor, probing again ({attempt + 1} of {PROBE_ATTEMPTS})")
     return urls, {name: load_profile(tmp / "profiles" / f"{name}.yaml") for name in pods}
 
 

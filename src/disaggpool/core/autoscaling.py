@@ -12,7 +12,7 @@ of the sequences a pod holds at a random instant (`Demand.slot_context`): each r
 over its life, prompt + output / 2, weighted by its output tokens, since a request stays as many
 steps as it generates. The plain mean over requests would count a code completion's long prompt,
 held 28 steps, as much as a chat's, held 211: with half the requests code it overstates the
-context by 18% and understates B by as much.
+context by 18% and understates B by about as much.
 
 **Headroom, derived.** With arrivals at rate lambda and residence R, the number of sequences in
 the pool is that of an M/G/infinity system: Poisson with mean L = lambda * R whatever the length
