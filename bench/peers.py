@@ -66,7 +66,6 @@ import benchutil
 from disaggpool import promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.profile import CalibrationProfile
 from disaggpool.core.stats import (
     bootstrap_paired_difference_interval,
     bootstrap_share_interval,
@@ -89,6 +88,7 @@ from disaggpool.demo import (
 from disaggpool.formats.profiles import save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.sim.placement import describe
 from prefix_emulated import VLLM_ROUTER, start_vllm_router, vllm_router
 
 OURS = ("calibrated", "least_loaded", "length", "round_robin")
@@ -110,15 +110,6 @@ def _successes(url: str) -> float:
         text = resp.read().decode()
     name = "vllm:request_success_total"
     return promtext.total(promtext.parse(text, [name]), name)
-
-
-def _describe(pods: dict[str, tuple[str, CalibrationProfile]]) -> str:
-    """E.g. "1 prefill (1.0x) + 3 decode (1.0x, 0.55x, 1.25x an A40), Llama-3-8B, emulated"."""
-    parts = []
-    for role in ("prefill", "decode"):
-        speeds = [A40.prefill.p1 / p.prefill.p1 for r, p in pods.values() if r == role]
-        parts.append(f"{len(speeds)} {role} ({', '.join(f'{s:.3g}x' for s in speeds)}")
-    return f"{parts[0]}) + {parts[1]} an A40), Llama-3-8B, emulated"
 
 
 def _row(
@@ -159,9 +150,10 @@ def measure_goodput(
     if cfg.prefill_speeds is not None and cfg.decode_speeds is not None:
         pods = true_profiles(cfg.decode_speeds, cfg.prefill_speeds)
         rate, trace = operating_rate(pods, base, slo, cfg.duration_s, cfg.seed)
+        chosen = describe((cfg.prefill_speeds, cfg.decode_speeds))
     else:  # before any pod starts: the search has the machine's cores
         placed = placed_pool(cfg, base, slo)
-        pods, rate, trace = placed.pods, placed.rate, placed.trace
+        pods, rate, trace, chosen = placed.pods, placed.rate, placed.trace, placed.chosen
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     exe = [sys.executable, "-m", "disaggpool"]
     rows = []
@@ -196,7 +188,7 @@ def measure_goodput(
         paired = bootstrap_paired_difference_interval(met_by_run[0], met, cfg.seed)
         row["first_minus_this_ci"] = None if row is rows[0] else [round(x, 4) for x in paired]
     return {
-        "pool": _describe(pods),
+        "pool": f"{chosen} A40 boards, Llama-3-8B, emulated",
         "rate_rps": round(rate, 3),
         "duration_s": cfg.duration_s,
         "requests": len(trace),
