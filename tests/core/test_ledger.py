@@ -75,7 +75,7 @@ def test_local_path_books_the_prompt_on_the_decode_instance() -> None:
     assert zero(led)
 
 
-def test_view_raises_gauges_to_the_books_and_adds_tokens_since_the_scrape() -> None:
+def test_view_raises_gauges_to_the_books_and_counts_each_prompt_once() -> None:
     led = Ledger()
     for i in range(3):
         led.routed(entry(f"r{i}"))
@@ -83,11 +83,17 @@ def test_view_raises_gauges_to_the_books_and_adds_tokens_since_the_scrape() -> N
     gauges = Gauges(running=0, waiting=1, kv_usage=0.25, kv_capacity_tokens=4000)
     d0 = view("d0", "decode", led.accounts["d0"], gauges)
     assert (d0.running, d0.waiting) == (1, 2)  # our own counts beat a stale scrape
-    assert d0.kv_tokens_used == 1000 + 300
+    # r0 decodes since the scrape: its prompt is on top of the scraped KV; r1 and r2 wait, and
+    # are counted as queued tokens only (the cost model adds the two).
+    assert (d0.kv_tokens_used, d0.queued_tokens) == (1000 + 100, 200)
     led.scraped("d0")
     assert view("d0", "decode", led.accounts["d0"], gauges).kv_tokens_used == 1000
     p0 = view("p0", "prefill", led.accounts["p0"], None)
     assert (p0.queued, p0.queued_tokens) == (2, 200)  # r0's prefill was done by its first token
+    led.progress("r1", 1, 2.0)
+    assert view("d0", "decode", led.accounts["d0"], gauges).kv_tokens_used == 1000 + 100
+    led.finished("r2")  # never decoded: its KV was never taken
+    assert view("d0", "decode", led.accounts["d0"], gauges).kv_tokens_used == 1000 + 100
 
 
 def test_foreign_is_what_the_scrape_showed_beyond_ours_then() -> None:

@@ -54,13 +54,14 @@ def test_lifecycle_and_snapshot() -> None:
     p0, d0 = snap.prefill[0], snap.decode[0]
     assert (p0.queued, p0.queued_tokens, p0.queued_sq_tokens) == (1, 100, 10000.0)
     assert (d0.inflight, d0.queued, d0.queued_tokens) == (1, 1, 100)
-    assert d0.kv_tokens_used == 500 + 100  # scraped + routed since the scrape
+    assert d0.kv_tokens_used == 500  # the routed prompt counts as queued there, not as its KV
     assert d0.running == 3 and d0.remaining_output_tokens == 50.0
     assert d0.tpot_budgets.groups() == [(0.1, 32, 1)]  # 50 predicted tokens: 32, a power of two
     s.prefilled("a")
     s.progress("a", 10, 2.0)
     d0 = s.snapshot(2.0).decode[0]
     assert (d0.queued, d0.queued_tokens, d0.remaining_output_tokens) == (0, 0, 40.0)
+    assert d0.kv_tokens_used == 500 + 100  # scraped + the prompt decoding since the scrape
     assert s.snapshot(2.0).prefill[0].queued == 0
     s.progress("a", 70, 2.0)  # past the prediction: nothing negative
     assert s.snapshot(2.0).decode[0].remaining_output_tokens == 1.0  # one sequence decoding

@@ -19,7 +19,13 @@ the policies read, by one rule for every router:
   queued there; `ttft_slack_s` the seconds until the first token of each queued one is due
   (routed at + its TTFT target - now), which the P/D decider needs to price a local prefill's
   stall;
-* `kv_tokens_used` is the scraped value plus the prompt tokens routed there since that scrape;
+* `kv_tokens_used` is the scraped value plus the prompts of the requests that started decoding
+  there since that scrape; a request routed there and not decoding yet is in `queued_tokens`,
+  which the cost model adds to it, so each prompt counts once (counting the routed ones here too
+  priced every prompt of the last scrape interval twice, and the P/D decider found less spare
+  decode KV than there was). One overlap stays: an engine holds the blocks of a request whose
+  KV is arriving, so a scrape taken during that transfer counts it beside `queued_tokens` until
+  its first token, one KV transfer's time;
 * `foreign`: what the last scrape showed there (`running + waiting`) beyond the router's own
   requests the instance held at that moment (`Account.held_at_scrape`; a prefill instance holds
   one of ours from routing until its prefill leg answers, a decode instance from then on):
@@ -226,7 +232,6 @@ class Ledger:
         d.queued += 1
         d.queued_tokens += entry.prompt_tokens
         d.predicted_left += entry.predicted_output
-        d.tokens_since_scrape += entry.prompt_tokens
         if entry.prefill is None:
             d.local_tokens += entry.prompt_tokens
             d.local_sq_tokens += float(entry.prompt_tokens) ** 2
@@ -264,6 +269,7 @@ class Ledger:
             entry.decoding = True
             entry.first_token_at = first_token_at if first_token_at is not None else now
             self._start_decoding(entry, d)
+            d.tokens_since_scrape += entry.prompt_tokens  # its KV, in no scrape yet
         if generated > entry.generated:
             left = entry.predicted_output - entry.generated
             if left > 0.0:
@@ -301,8 +307,8 @@ class Ledger:
         return [entry for rid in old if (entry := self.finished(rid)) is not None]
 
     def scraped(self, name: str) -> None:
-        """A fresh scrape of `name` now counts the prompt tokens routed there before it, and
-        what it shows beyond the requests of ours the instance holds now is foreign."""
+        """A fresh scrape of `name` now counts the prompts that started decoding there before
+        it, and what it shows beyond the requests of ours the instance holds now is foreign."""
         acc = self.accounts.get(name)
         if acc is not None:
             acc.tokens_since_scrape = 0
