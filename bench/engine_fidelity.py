@@ -8,16 +8,21 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
 1. **Engine.** One real vLLM engine (`python -m vllm.entrypoints.openai.api_server`, the tiny
    Llama of the real-vLLM suite, float32, 1 GiB of KV cache, `--max-num-seqs` and
    `--max-num-batched-tokens` given so that the profile holds the engine's own limits, prefix
-   caching off: every load replays the prompts the one before left cached). Its engine core is
-   bound to the last CPU (`VLLM_CPU_OMP_THREADS_BIND`), its API server, this process and the load
-   generator to the others (`taskset`): on two cores, a client sharing the engine's core made
-   the engine's step times wander by 30% between runs.
+   caching off: every load replays the prompts the one before left cached). Its model worker
+   (the process whose OpenMP threads run the model) is bound to the last CPU
+   (`VLLM_CPU_OMP_THREADS_BIND`); its API server, the engine-core process it starts (vLLM's
+   scheduler, which inherits the API server's CPUs), this process and the load generator to the
+   others (`taskset`): on two cores, a client sharing the worker's core made the engine's step
+   times wander by 30% between runs, and the scheduler bound beside the worker made every step
+   slower (the two then take turns on one core).
 2. **Probe.** `disaggpool calibrate`'s probe (`run_probe`, role decode, no peer) fits the
    engine's profile, as the operator's Job does, and measures the request path outside the
    engine (requests the server rejects unprocessed: parsing, validation, the HTTP round trip).
    A `poor` fit is probed again, as the operator does by default (`calibration.reprobeOnPoor`,
    up to `maxAttempts`, 3), each attempt with its own seed; the first fit that is not poor is
-   used, or the last one. Every attempt's verdict and held-out errors are recorded.
+   used, or the last one. Every attempt's verdict and held-out errors are recorded. Before
+   every load after the first the engine is probed again the same way, and its fit recorded
+   with that load.
 3. **Trace.** Azure 2023 conversation lengths (clipped to 1,536 prompt and 256 output tokens,
    within the engine's 2,048-token context) in bursty Gamma arrivals (CV 3); SLO targets from the
    fitted profile (`sim.capacity.slo_targets`: TTFT x4, TPOT x2 of the p90 request unloaded).
@@ -32,15 +37,22 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
    (the P/D decider's local path: one instance doing both, which is what a lone vLLM engine is),
    the mean over `SIM_SEEDS` seeds of step jitter. Twice: the engine model alone, and with the
    probe's request path added to each TTFT, which is what a client sees (the simulator models
-   the engine only).
+   the engine only). And once more from the probe taken just before the load, with its
+   request path (`probe_before`): on a shared machine the engine's speed moves in the course of
+   a run, which the first probe cannot know and a probe again, as the operator makes on drift,
+   can; the first probe alone sets the rates and the SLO.
 
 Errors: goodput in points (measured - predicted), p50/p99 TTFT and TPOT as measured /
 predicted - 1. The aim (issue #15): goodput within 5 points, p50 TTFT and TPOT within 15%.
+Per load also the median TPOT of the requests every load replays (the lightest load's, the first
+of every trace), measured and predicted: the same requests at more load should decode no faster,
+so where the measured ones move between loads and the predicted do not, the engine's speed
+changed, not the batches.
 
 Run: ``.venv/bin/python bench/engine_fidelity.py [--quick] [--duration S] [--loads 0.5,1,1.5]
 [--seed N] [--json FILE]`` (after ``bash scripts/vllm_env.sh``); ``--quick`` (two loads of 30
-s, a 20 s probe) is a smoke run; the default, three loads of 360 s after a 45 s probe (more if
-the fit is poor), takes about 20 minutes (at 120 s the lightest load had 18 requests, one of them
+s, 20 s probes) is a smoke run; the default, three loads of 360 s each after a 45 s probe (more
+if the fit is poor), takes about 21 minutes (at 120 s the lightest load had 18 requests, one of them
 5.6 points of goodput).
 ``--repredict FILE`` starts no engine: it predicts again for the measurements FILE recorded (its
 profile, request path, seed and rates), to see what a change of the engine model does to the
@@ -73,7 +85,7 @@ from tqdm import tqdm
 
 import benchutil
 from disaggpool import promtext
-from disaggpool.calibration.probe import ProbeConfig, run_probe
+from disaggpool.calibration.probe import ProbeConfig, ProbeResult, run_probe
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.registry import PolicyOptions
 from disaggpool.core.profile import CalibrationProfile, profile_from_dict, profile_to_dict
@@ -82,6 +94,7 @@ from disaggpool.demo import free_port
 from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.operator.spec import DEFAULT_MAX_PROBE_ATTEMPTS
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec, SimOutcome
 from disaggpool.sim.metrics import latency_percentiles
@@ -100,7 +113,7 @@ TARGET_GOODPUT = 0.85
 SIM_SEEDS = 5
 JITTER = 0.03
 LOADS = (0.5, 1.0, 1.5)
-PROBE_ATTEMPTS = 3  # the operator's default `calibration.maxAttempts`
+PROBE_ATTEMPTS = DEFAULT_MAX_PROBE_ATTEMPTS  # the operator's default `calibration.maxAttempts`
 QUICK_LOADS = (0.5, 1.0)
 # The engine's own view of the replay: preemptions, and its inter-token gaps and steps, which
 # tell an engine slower than predicted from a client that reads its stream late.
@@ -132,7 +145,7 @@ def real_engine(
     log_dir: Path, engine_cpu: int, other_cpus: set[int], timeout_s: float = 360.0
 ) -> Iterator[str]:
     """A real vLLM engine on a free loopback port (its URL), stopped with its process group:
-    its engine core bound to `engine_cpu`, its API server to `other_cpus`."""
+    its model worker bound to `engine_cpu`, its API server and engine core to `other_cpus`."""
     if not (VENV / "bin" / "python").exists() or not (MODEL / "config.json").exists():
         raise SystemExit(
             f"real vLLM missing ({VENV}, {MODEL}): build it with `bash scripts/vllm_env.sh`"
@@ -270,15 +283,26 @@ class RequestPath:
 
 
 def predicted(
-    profile: CalibrationProfile, trace: Sequence[TraceRequest], slo: SLOClass, path: RequestPath
-) -> dict[str, dict[str, Any]]:
+    profile: CalibrationProfile,
+    trace: Sequence[TraceRequest],
+    slo: SLOClass,
+    path: RequestPath,
+    shared: int,
+) -> dict[str, Any]:
     """The simulator's prediction, the mean over SIM_SEEDS jitter seeds (and the goodput's
     spread), as the engine model gives it ("engine") and with every request's TTFT carrying the
-    request path, as a client sees it ("with_request_path"); one set of runs for both."""
+    request path, as a client sees it ("with_request_path"); one set of runs for both. Also
+    the median TPOT of the first `shared` requests (`shared_tpot_p50_s`, see `compare`)."""
     outcomes = [simulate(one_engine_run(profile, trace, slo, s)) for s in range(SIM_SEEDS)]
     return {
         "engine": _prediction(outcomes, slo, None),
         "with_request_path": _prediction(outcomes, slo, path),
+        "shared_tpot_p50_s": statistics.fmean(
+            statistics.median(
+                r.tpot for r in o.requests if r.index < shared and r.finish >= 0 and r.tpot > 0
+            )
+            for o in outcomes
+        ),
     }
 
 
@@ -360,6 +384,41 @@ def errors(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
 # ------------------------------------------------------------------ the run
 
 
+def probe_engine(url: str, budget: float, seed: int) -> tuple[ProbeResult, list[dict[str, Any]]]:
+    """Probe the engine as the operator does (a poor fit probed again, each attempt with its own
+    seed): (the last `ProbeResult`, every attempt's verdict, errors and decode samples)."""
+    attempts = []
+    for attempt in range(PROBE_ATTEMPTS):
+        probe = run_probe(
+            ProbeConfig(
+                endpoint=url,
+                role="decode",
+                name="real-vllm-cpu",
+                budget_s=budget,
+                max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                gpu="cpu",
+                seed=seed + attempt,
+            )
+        )
+        fit = probe.profile
+        attempts.append(
+            {
+                "quality": fit.quality,
+                "ttft_mape": fit.ttft_mape,
+                "tpot_mape": fit.tpot_mape,
+                "decode": profile_to_dict(fit)["decode"],
+                "samples": probe.report["samples"],
+                # (batch, context tokens, inter-token seconds): what the decode fit saw.
+                "decode_measurements": probe.report["measurements"]["decode"],
+            }
+        )
+        if fit.quality != "poor":
+            break
+        print(f"[fidelity] fit poor ({attempts[-1]['tpot_mape']}): probing again", file=sys.stderr)
+    return probe, attempts
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Start the engine, probe it, replay the trace at every load: the measured half."""
     loads = (
@@ -377,27 +436,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ):
         print(f"[fidelity] engine up at {url}; probing for {budget:.0f} s", file=sys.stderr)
         _warm_up(url)
-        attempts = []
-        for attempt in range(PROBE_ATTEMPTS):
-            probe = run_probe(
-                ProbeConfig(
-                    endpoint=url,
-                    role="decode",
-                    name="real-vllm-cpu",
-                    budget_s=budget,
-                    max_num_seqs=MAX_NUM_SEQS,
-                    max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                    gpu="cpu",
-                    seed=args.seed + attempt,
-                )
-            )
-            fit = probe.profile
-            attempts.append(
-                {"quality": fit.quality, "ttft_mape": fit.ttft_mape, "tpot_mape": fit.tpot_mape}
-            )
-            if fit.quality != "poor":
-                break
-            print(f"[fidelity] fit poor ({attempts[-1]}): probing again", file=sys.stderr)
+        probe, attempts = probe_engine(url, budget, args.seed)
         profile = probe.profile
         search = rate_search(profile, args.seed, duration)
         rate85 = operating_rates([search], steps=14, workers=1)[0]
@@ -407,17 +446,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
         )
         rows = []
-        for factor in loads:
+        fresh, fresh_attempts = probe, attempts
+        for k, factor in enumerate(loads):
+            if k:  # the first load follows the probe above
+                print(f"[fidelity] probing again before x{factor}", file=sys.stderr)
+                fresh, fresh_attempts = probe_engine(url, budget, args.seed + 100 * k)
             trace = search.trace_at(rate85 * factor)
             rows.append(
                 {
                     "load": factor,
                     "rate_rps": rate85 * factor,
                     "requests": len(trace),
+                    "probe_before": {
+                        "profile": profile_to_dict(fresh.profile),
+                        "request_path": _request_path(fresh.report),
+                        "attempts": fresh_attempts,
+                    },
                     "measured": measured(url, trace, search.run.slo_classes[0], args.seed),
                 }
             )
-    overhead = probe.report["http_overhead"]
     return {
         "machine": benchutil.machine_info(),
         "setup": {
@@ -432,13 +479,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "probe_attempts": attempts,
             "rate85_rps": rate85,
             "profile": profile_to_dict(profile),
-            "request_path": {
-                "from": overhead["from"],
-                "base_s": overhead["seconds"],
-                "per_prompt_token_s": overhead["seconds_per_prompt_token"],
-            },
+            "request_path": _request_path(probe.report),
         },
         "loads": rows,
+    }
+
+
+def _request_path(report: dict[str, Any]) -> dict[str, Any]:
+    """The probe's fit of the request path outside the engine, as `compare` reads it."""
+    overhead = report["http_overhead"]
+    return {
+        "from": overhead["from"],
+        "base_s": overhead["seconds"],
+        "per_prompt_token_s": overhead["seconds_per_prompt_token"],
     }
 
 
@@ -461,11 +514,37 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     slo = search.run.slo_classes[0]
     setup["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
     setup["sim_seeds"] = SIM_SEEDS
-    for row in doc["loads"]:
+    # The requests every load replays (each load replays the trace's first seconds at its rate:
+    # the lightest load's requests are the first of every other). The same requests under more
+    # load should decode no faster; the model has them a little slower.
+    shared = setup["shared_requests"] = min(row["requests"] for row in doc["loads"])
+    for i, row in enumerate(doc["loads"]):
         trace = search.trace_at(row["rate_rps"])
         if len(trace) != row["requests"]:
             raise SystemExit(f"load x{row['load']}: the trace is not the one measured")
-        row["predicted"] = predicted(profile, trace, slo, path)
+        prediction = predicted(profile, trace, slo, path, shared)
+        row["shared_tpot_p50_s"] = {
+            "measured": statistics.median(
+                tpot for j, _, tpot in row["measured"]["requests"] if j < shared and tpot > 0
+            ),
+            "predicted": prediction.pop("shared_tpot_p50_s"),
+        }
+        if "probe_before" in row:
+            # The same requests predicted from the probe taken just before this load (what
+            # an operator re-probing on drift would route by), next to the first probe's.
+            before = row["probe_before"]
+            fresh = predicted(
+                profile_from_dict(before["profile"], f"loads[{i}].probe_before.profile"),
+                trace,
+                slo,
+                RequestPath(
+                    before["request_path"]["base_s"], before["request_path"]["per_prompt_token_s"]
+                ),
+                shared,
+            )
+            prediction["probe_before"] = fresh["with_request_path"]
+            row["shared_tpot_p50_s"]["probe_before"] = fresh["shared_tpot_p50_s"]
+        row["predicted"] = prediction
         row["error"] = {k: errors(row["measured"], p) for k, p in row["predicted"].items()}
     return doc
 
@@ -504,6 +583,16 @@ def main() -> None:
     benchutil.write_json(args.json, doc)
     for row in doc["loads"]:
         print(f"x{row['load']}: {row['requests']} requests, {json.dumps(row['error'])}")
+        shared = row["shared_tpot_p50_s"]
+        print(
+            f"  TPOT p50 of the first {doc['setup']['shared_requests']} requests: measured "
+            f"{1e3 * shared['measured']:.2f} ms, predicted {1e3 * shared['predicted']:.2f} ms"
+            + (
+                f" (from the probe before this load {1e3 * shared['probe_before']:.2f} ms)"
+                if "probe_before" in shared
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

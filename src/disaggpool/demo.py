@@ -84,6 +84,7 @@ from disaggpool.formats.embedded import AZURE_2023_FILES, embedded_trace, read_e
 from disaggpool.formats.profiles import load_profile, save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.operator.spec import DEFAULT_MAX_PROBE_ATTEMPTS
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
@@ -121,7 +122,7 @@ MOONCAKE_DECODE_SPEEDS = (1.0, 0.55)
 MOONCAKE_POLICIES = ("calibrated", "round_robin", "least_loaded", "cache_aware", "dynamo_kv")
 MOONCAKE_CLIP = (7680, 64)  # prompt, output: within the profile's 8,192-token context
 MAX_NUM_SEQS = 64
-PROBE_ATTEMPTS = 3  # a poor fit probed again, as the operator's `calibration.maxAttempts`
+PROBE_ATTEMPTS = DEFAULT_MAX_PROBE_ATTEMPTS  # a poor fit probed again, as the operator does
 TARGET_GOODPUT = 0.85
 JITTER = 0.03  # the emulator's default step jitter, used by the simulator too
 SIM_SEEDS = 10

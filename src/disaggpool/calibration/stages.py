@@ -8,8 +8,10 @@
 2. KV transfer (with a peer, the prefill pod): prefill legs on the peer, decode legs here, as
    vLLM's P/D proxy does -> decode-leg TTFT(n);
 3. decode: B concurrent streams with prompts of L tokens, `ignore_eos` -> mean inter-token gap
-   at batch B and context K = B * (L + generated / 2), for B on a doubling grid and two L; last,
-   as it can always use more time: what the other stages leave over goes to it;
+   at batch B and context K = B * (L + generated / 2), for B on a doubling grid and two L, timed
+   only while all B streams decode (a point whose streams never did, joining them having taken
+   longer than their tokens, streams more tokens on its next pass); last, as it can always use
+   more time: what the other stages leave over goes to it;
 4. the request path: the rejected twins timed alongside prefill and transfer requests, fitted as
    a line in the prompt length (or a `/tokenize` round trip if the server accepted the twins).
 
@@ -52,7 +54,8 @@ PREFILL_SHARE = 0.30
 TRANSFER_SHARE = 0.20  # the decode stage has the rest, up to 95% of the budget
 DECODE_END = 0.95
 HARD_STOP = 1.25  # a stage short of samples may run on to this share of the budget, no further
-DECODE_TOKENS = 24  # tokens per stream in the decode stage
+DECODE_TOKENS = 24  # tokens per stream in the decode stage, at first
+DECODE_TOKENS_MAX = 96  # a grid point whose streams never all decoded together gets up to this
 DECODE_PASSES = 8  # most passes through the decode grid (fewer when the budget runs out)
 DECODE_JOIN_SHARE = 0.1  # most of the decode stage one run may spend prefilling its prompts
 PREFILL_PASSES = 24  # most passes through the prefill grid
@@ -156,7 +159,7 @@ async def decode_stage(
     """(samples, how many of them the server's histogram timed: see below)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= cfg.max_num_seqs]
     # Two context lengths far apart separate the per-sequence and per-context-token costs.
-    contexts = [c for c in (32, 1536) if c + DECODE_TOKENS < pod.max_model_len]
+    contexts = [c for c in (32, 1536) if c + DECODE_TOKENS_MAX < pod.max_model_len]
     # A run first prefills its B prompts, which at long contexts and large batches costs more
     # than everything else (64 prompts of 1536 tokens: 14 s on an A40). Such a run is left
     # out when that would take more than a tenth of the stage: repeats of the others buy more.
@@ -165,41 +168,54 @@ async def decode_stage(
         (b, c)
         for b in batches
         for c in contexts
-        if b * (c + DECODE_TOKENS) <= 0.8 * pod.kv_capacity_tokens  # else it would preempt
+        if b * (c + DECODE_TOKENS_MAX) <= 0.8 * pod.kv_capacity_tokens  # else it would preempt
         and (b * prefill_time(c) <= DECODE_JOIN_SHARE * stage or (b, c) == (1, contexts[0]))
     ]
     # Through the grid again and again while the budget lasts: step noise averages out.
     plan = grid * DECODE_PASSES
+    tokens = dict.fromkeys(grid, DECODE_TOKENS)
     samples: list[fit.DecodeSample] = []
     server_timed = 0
     for i, (b, ctx) in enumerate(plan):
         if stop.due(len(samples)):
             break
+        n = tokens[b, ctx]
         before = await client.itl_totals(pod)
-        runs = await asyncio.gather(*(client.stream(pod, ctx, DECODE_TOKENS) for _ in range(b)))
+        runs = await asyncio.gather(*(client.stream(pod, ctx, n) for _ in range(b)))
         # Only the window in which all B streams decode: before the last one joined, steps also
         # carried prefill work; after the first one finished, the batch was smaller. Per stream,
         # elapsed time over tokens in the window: a delivery stall followed by a burst of tokens
         # does not change it, where a per-gap statistic would.
         joined = max(t[1] for t in runs if len(t) > 1)
         leaving = min(t[-1] for t in runs)
-        rates = []
-        for t in runs:
-            inside = [x for x in t[1:] if joined <= x <= leaving]
-            if len(inside) >= 4 and read_as_sent(t, inside):
-                rates.append((inside[-1] - inside[0]) / (len(inside) - 1))
-        context = b * (ctx + DECODE_TOKENS / 2)
+        windows = [[x for x in t[1:] if joined <= x <= leaving] for t in runs]
+        rates = sorted(
+            (inside[-1] - inside[0]) / (len(inside) - 1)
+            for t, inside in zip(runs, windows, strict=True)
+            if len(inside) >= 4 and read_as_sent(t, inside)
+        )
         if rates:
-            rates.sort()
-            samples.append(fit.DecodeSample(b, context, rates[len(rates) // 2]))
+            samples.append(fit.DecodeSample(b, b * (ctx + n / 2), rates[len(rates) // 2]))
+        elif max(map(len, windows)) < 4 and any(
+            len(t) > 4 and read_as_sent(t, t[1:]) for t in runs
+        ):
+            # Streams read as sent show that the B never decoded together: the first finished
+            # before the last joined. Joining took more steps than a stream has tokens (B long
+            # prompts prefilled a token budget per step; an API server admitting B requests one
+            # after another on a busy CPU). The run says nothing of a batch of B, and the
+            # server's inter-token histogram over it, mostly steps that carried prefill, read
+            # several times the decode step on real vLLM on CPU: no sample; the point's next
+            # pass streams twice as many tokens.
+            tokens[b, ctx] = min(2 * n, DECODE_TOKENS_MAX)
         else:
-            # The probe could not time any stream itself: the server's own inter-token
-            # histogram over the run instead (its join steps, which carried prefill work, make
-            # it read a little high; the held-out error says how much that matters).
+            # The probe read no stream as sent (a starved client): its clock says nothing of
+            # the steps, so the server's own inter-token histogram over the run instead (its
+            # join steps, which carried prefill work, make it read a little high; the held-out
+            # error says how much that matters).
             after = await client.itl_totals(pod)
             if before and after and after[1] > before[1]:
                 itl = (after[0] - before[0]) / (after[1] - before[1])
-                samples.append(fit.DecodeSample(b, context, itl))
+                samples.append(fit.DecodeSample(b, b * (ctx + n / 2), itl))
                 server_timed += 1
         if progress:
             progress("decode", i + 1, len(plan))

@@ -173,6 +173,11 @@ class RouterSpec:
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+#: `calibration.maxAttempts` unset: probes of one pod in a row before it is given up on (the demo
+#: and bench/engine_fidelity.py probe a poor fit again as many times).
+DEFAULT_MAX_PROBE_ATTEMPTS = 3
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CalibrationSpec:
     image: str
@@ -180,7 +185,7 @@ class CalibrationSpec:
     budget_s: float = 60.0
     max_age_s: int = 7 * 24 * 3600  # 0: a profile never goes stale
     reprobe_on_poor: bool = True
-    max_attempts: int = 3
+    max_attempts: int = DEFAULT_MAX_PROBE_ATTEMPTS
     max_prediction_error: float = 0.0  # 0: do not re-probe on drift
     backoff_limit: int = 1
 
@@ -423,7 +428,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         budget_s=c.number("budgetSeconds", 60.0, positive=True),
         max_age_s=c.integer("maxAgeSeconds", 7 * 24 * 3600, minimum=0),
         reprobe_on_poor=c.boolean("reprobeOnPoor", True),
-        max_attempts=c.integer("maxAttempts", 3, minimum=1),
+        max_attempts=c.integer("maxAttempts", DEFAULT_MAX_PROBE_ATTEMPTS, minimum=1),
         max_prediction_error=c.number("maxPredictionError", 0.0),
         backoff_limit=c.integer("backoffLimit", 1, minimum=0),
     )
