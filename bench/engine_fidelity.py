@@ -278,6 +278,11 @@ class RequestPath:
     base_s: float
     per_prompt_token_s: float
 
+    @classmethod
+    def recorded(cls, record: dict[str, Any]) -> RequestPath:
+        """From its record in this bench's file (`_request_path`)."""
+        return cls(record["base_s"], record["per_prompt_token_s"])
+
     def seconds(self, prompt_tokens: int) -> float:
         return self.base_s + self.per_prompt_token_s * prompt_tokens
 
@@ -288,22 +293,22 @@ def predicted(
     slo: SLOClass,
     path: RequestPath,
     shared: int,
-) -> dict[str, Any]:
+) -> tuple[dict[str, dict[str, Any]], float]:
     """The simulator's prediction, the mean over SIM_SEEDS jitter seeds (and the goodput's
     spread), as the engine model gives it ("engine") and with every request's TTFT carrying the
-    request path, as a client sees it ("with_request_path"); one set of runs for both. Also
-    the median TPOT of the first `shared` requests (`shared_tpot_p50_s`, see `compare`)."""
+    request path, as a client sees it ("with_request_path"); one set of runs for both. And the
+    median TPOT of the first `shared` requests (see `compare`)."""
     outcomes = [simulate(one_engine_run(profile, trace, slo, s)) for s in range(SIM_SEEDS)]
+    shared_tpot = statistics.fmean(
+        statistics.median(
+            r.tpot for r in o.requests if r.index < shared and r.finish >= 0 and r.tpot > 0
+        )
+        for o in outcomes
+    )
     return {
         "engine": _prediction(outcomes, slo, None),
         "with_request_path": _prediction(outcomes, slo, path),
-        "shared_tpot_p50_s": statistics.fmean(
-            statistics.median(
-                r.tpot for r in o.requests if r.index < shared and r.finish >= 0 and r.tpot > 0
-            )
-            for o in outcomes
-        ),
-    }
+    }, shared_tpot
 
 
 def _prediction(
@@ -509,7 +514,7 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     and rates), with the errors: for the engine model alone, and with the request path."""
     setup = doc["setup"]
     profile = profile_from_dict(setup["profile"], "the recorded profile")
-    path = RequestPath(setup["request_path"]["base_s"], setup["request_path"]["per_prompt_token_s"])
+    path = RequestPath.recorded(setup["request_path"])
     search = rate_search(profile, setup["seed"], setup["duration_s"])
     slo = search.run.slo_classes[0]
     setup["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
@@ -522,28 +527,26 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
         trace = search.trace_at(row["rate_rps"])
         if len(trace) != row["requests"]:
             raise SystemExit(f"load x{row['load']}: the trace is not the one measured")
-        prediction = predicted(profile, trace, slo, path, shared)
+        prediction, shared_tpot = predicted(profile, trace, slo, path, shared)
         row["shared_tpot_p50_s"] = {
             "measured": statistics.median(
                 tpot for j, _, tpot in row["measured"]["requests"] if j < shared and tpot > 0
             ),
-            "predicted": prediction.pop("shared_tpot_p50_s"),
+            "predicted": shared_tpot,
         }
         if "probe_before" in row:
             # The same requests predicted from the probe taken just before this load (what
             # an operator re-probing on drift would route by), next to the first probe's.
             before = row["probe_before"]
-            fresh = predicted(
+            fresh, fresh_shared_tpot = predicted(
                 profile_from_dict(before["profile"], f"loads[{i}].probe_before.profile"),
                 trace,
                 slo,
-                RequestPath(
-                    before["request_path"]["base_s"], before["request_path"]["per_prompt_token_s"]
-                ),
+                RequestPath.recorded(before["request_path"]),
                 shared,
             )
             prediction["probe_before"] = fresh["with_request_path"]
-            row["shared_tpot_p50_s"]["probe_before"] = fresh["shared_tpot_p50_s"]
+            row["shared_tpot_p50_s"]["probe_before"] = fresh_shared_tpot
         row["predicted"] = prediction
         row["error"] = {k: errors(row["measured"], p) for k, p in row["predicted"].items()}
     return doc
