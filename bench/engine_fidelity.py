@@ -563,6 +563,9 @@ def _recorded(path: Path) -> dict[str, Any]:
             for key in ("load", "rate_rps", "requests", "measured"):
                 if key not in row:
                     raise KeyError(f"loads[{i}].{key}")
+            for key in ("profile", "request_path") if "probe_before" in row else ():
+                if key not in row["probe_before"]:
+                    raise KeyError(f"loads[{i}].probe_before.{key}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{path}: not a measurement of this bench: {exc}") from None
     return dict(doc)
