@@ -21,13 +21,19 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
    A `poor` fit is probed again, as the operator does by default (`calibration.reprobeOnPoor`,
    up to `maxAttempts`, 3), each attempt with its own seed; the first fit that is not poor is
    used, or the last one. Every attempt's verdict and held-out errors are recorded. Before
-   every load after the first the engine is probed again the same way, and its fit recorded
-   with that load.
+   every segment of a load (below) after the first the engine is probed again the same way,
+   and its fit recorded with that segment.
 3. **Trace.** Azure 2023 conversation lengths (clipped to 1,536 prompt and 256 output tokens,
    within the engine's 2,048-token context) in bursty Gamma arrivals (CV 3); SLO targets from the
    fitted profile (`sim.capacity.slo_targets`: TTFT x4, TPOT x2 of the p90 request unloaded).
    Loads are factors of `rate85`, the rate at which the simulator predicts 0.85 goodput for this
-   engine; each load replays the first `--duration` seconds of the trace at its rate.
+   engine; each load replays the first `--duration` seconds of the trace at its rate, in
+   `--segments` equal stretches (3; a request belongs to the stretch it arrives in, and a
+   stretch runs until its last request is answered). The loads take turns, stretch by stretch
+   (x0.5's first, x1's first, ..., x0.5's second, ...), each after a probe of its own: on this
+   shared machine the engine's speed moved by up to 2x within 20 minutes and within one
+   6-minute load, so a load replayed whole, after one probe, was predicted from a speed it no
+   longer had, and its loads at different speeds.
 4. **Measured.** `disaggpool loadgen`'s replay against the engine (token-id prompts of the exact
    length, outputs pinned by `ignore_eos`, streamed): goodput (95% bootstrap interval), TTFT and
    TPOT p50/p90/p99, requests late (TTFT) and slow (TPOT), the engine's own counters
@@ -35,25 +41,33 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
 5. **Predicted.** The simulator (`sim.runner.simulate`) on the same requests at the same arrival
    times, the fitted profile as the engine's timing, the engine prefilling every prompt itself
    (the P/D decider's local path: one instance doing both, which is what a lone vLLM engine is),
-   the mean over `SIM_SEEDS` seeds of step jitter. Twice: the engine model alone, and with the
-   probe's request path added to each TTFT, which is what a client sees (the simulator models
-   the engine only). And once more from the probe taken just before the load, with its
-   request path (`probe_before`): on a shared machine the engine's speed moves in the course of
-   a run, which the first probe cannot know and a probe again, as the operator makes on drift,
-   can; the first probe alone sets the rates and the SLO.
+   the mean over `SIM_SEEDS` seeds of step jitter, each stretch from an idle engine as it was
+   served. Twice: the engine model alone, and with the probe's request path added to each
+   TTFT, which is what a client sees (the simulator models the engine only). And once more
+   with each stretch predicted from the probe taken just before it, with its request path
+   (`probe_before`): on a shared machine the engine's speed moves in the course of a run,
+   which the first probe cannot know and a probe again, as the operator makes on drift, can;
+   the first probe alone sets the rates and the SLO. The stretches' requests are pooled into
+   the load's figures, measured and predicted alike.
 
 Errors: goodput in points (measured - predicted), p50/p99 TTFT and TPOT as measured /
 predicted - 1. The aim (issue #15): goodput within 5 points, p50 TTFT and TPOT within 15%.
 Per load also the median TPOT of the requests every load replays (the lightest load's, the first
 of every trace), measured and predicted: the same requests at more load should decode no faster,
 so where the measured ones move between loads and the predicted do not, the engine's speed
-changed, not the batches.
+changed, not the batches. Per stretch, its errors from the probe just before it. And over the
+whole run (`tpot_by_company`), the requests that decoded at least 8 tokens grouped by how many
+others decoded while they did, with their measured / predicted TPOT (from the probe before):
+a model that mispriced batches whose members join and leave, which the probe's batches never
+do, would be right on lone requests and wrong on those in company.
 
 Run: ``.venv/bin/python bench/engine_fidelity.py [--quick] [--duration S] [--loads 0.5,1,1.5]
-[--seed N] [--json FILE]`` (after ``bash scripts/vllm_env.sh``); ``--quick`` (two loads of 30
-s, 20 s probes) is a smoke run; the default, three loads of 360 s each after a 45 s probe (more
-if the fit is poor), takes about 21 minutes (at 120 s the lightest load had 18 requests, one of them
-5.6 points of goodput).
+[--segments K] [--seed N] [--json FILE]`` (after ``bash scripts/vllm_env.sh``); ``--quick``
+(two loads of 30 s, whole, 20 s probes) is a smoke run; the default, three loads of 360 s in
+three stretches, each after a 45 s probe (more if the fit is poor), takes about 25 minutes (at
+120 s per load the lightest had 18 requests, one of them 5.6 points of goodput: the stretches
+are pooled). ``--segments 1`` replays each load whole after its probe, as runs before
+2026-12-06 08:00 did.
 ``--repredict FILE`` starts no engine: it predicts again for the measurements FILE recorded (its
 profile, request path, seed and rates), to see what a change of the engine model does to the
 agreement with the same measurement.
@@ -79,7 +93,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
@@ -96,7 +110,7 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
 from disaggpool.operator.spec import DEFAULT_MAX_PROBE_ATTEMPTS
 from disaggpool.sim import capacity, workload
-from disaggpool.sim.cluster import InstanceSpec, SimOutcome
+from disaggpool.sim.cluster import InstanceSpec
 from disaggpool.sim.metrics import latency_percentiles
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
 from disaggpool.sim.runner import RunSpec, simulate
@@ -113,6 +127,7 @@ TARGET_GOODPUT = 0.85
 SIM_SEEDS = 5
 JITTER = 0.03
 LOADS = (0.5, 1.0, 1.5)
+SEGMENTS = 3  # each load's trace in this many stretches, each after a probe of its own
 PROBE_ATTEMPTS = DEFAULT_MAX_PROBE_ATTEMPTS  # the operator's default `calibration.maxAttempts`
 QUICK_LOADS = (0.5, 1.0)
 # The engine's own view of the replay: preemptions, and its inter-token gaps and steps, which
@@ -287,58 +302,104 @@ class RequestPath:
         return self.base_s + self.per_prompt_token_s * prompt_tokens
 
 
-def predicted(
-    profile: CalibrationProfile,
-    trace: Sequence[TraceRequest],
-    slo: SLOClass,
-    path: RequestPath,
-    shared: int,
-) -> tuple[dict[str, dict[str, Any]], float]:
-    """The simulator's prediction, the mean over SIM_SEEDS jitter seeds (and the goodput's
-    spread), as the engine model gives it ("engine") and with every request's TTFT carrying the
-    request path, as a client sees it ("with_request_path"); one set of runs for both. And the
-    median TPOT of the first `shared` requests (see `compare`)."""
-    outcomes = [simulate(one_engine_run(profile, trace, slo, s)) for s in range(SIM_SEEDS)]
-    shared_tpot = statistics.fmean(
-        statistics.median(
-            r.tpot for r in o.requests if r.index < shared and r.finish >= 0 and r.tpot > 0
-        )
-        for o in outcomes
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A stretch of one load's trace that the engine serves on its own (idle before it, as
+    after a probe) and the calibration it is predicted from."""
+
+    trace: tuple[TraceRequest, ...]  # arrivals from 0
+    first: int  # the load's index of its first request
+    profile: CalibrationProfile
+    path: RequestPath
+
+
+class Prediction(NamedTuple):
+    """What `predicted` returns."""
+
+    figures: dict[str, dict[str, Any]]  # "engine", "with_request_path"
+    shared_tpot: float  # the median TPOT of the load's first `shared` requests (`compare`)
+    tpot: dict[int, float]  # per request (the load's index): its TPOT, mean over seeds
+
+
+def predicted(parts: Sequence[Part], slo: SLOClass, shared: int) -> Prediction:
+    """The simulator's prediction of a load served as `parts`, the mean over SIM_SEEDS jitter
+    seeds (and the goodput's spread), as the engine model gives it ("engine") and with every
+    request's TTFT carrying the request path, as a client sees it ("with_request_path"); one set
+    of runs for both."""
+    runs = []
+    for seed in range(SIM_SEEDS):
+        # (load index, engine TTFT, path, TPOT, output tokens), None TTFT: never finished
+        done: list[tuple[int, float | None, float, float, int]] = []
+        for part in parts:
+            outcome = simulate(one_engine_run(part.profile, part.trace, slo, seed))
+            done += [
+                (
+                    part.first + r.index,
+                    r.ttft if r.finish >= 0 else None,
+                    part.path.seconds(r.prompt_tokens),
+                    r.tpot,
+                    r.output_tokens,
+                )
+                for r in outcome.requests
+            ]
+        runs.append(done)
+    shared_runs = [
+        [tpot for i, t, _, tpot, _ in run if i < shared and t is not None and tpot > 0]
+        for run in runs
+    ]
+    shared_tpot = (
+        statistics.fmean(statistics.median(v) for v in shared_runs)
+        if all(shared_runs)
+        else math.nan
     )
-    return {
-        "engine": _prediction(outcomes, slo, None),
-        "with_request_path": _prediction(outcomes, slo, path),
-    }, shared_tpot
+    per_request: dict[int, list[float]] = {}
+    for run in runs:
+        for i, t, _, tpot, _ in run:
+            if t is not None and tpot > 0:
+                per_request.setdefault(i, []).append(tpot)
+    return Prediction(
+        {
+            "engine": _prediction(runs, slo, with_path=False),
+            "with_request_path": _prediction(runs, slo, with_path=True),
+        },
+        shared_tpot,
+        {i: statistics.fmean(v) for i, v in per_request.items()},
+    )
 
 
 def _prediction(
-    outcomes: Sequence[SimOutcome], slo: SLOClass, path: RequestPath | None
+    runs: Sequence[Sequence[tuple[int, float | None, float, float, int]]],
+    slo: SLOClass,
+    *,
+    with_path: bool,
 ) -> dict[str, Any]:
-    runs = []
-    for outcome in outcomes:
-        done = [r for r in outcome.requests if r.finish >= 0]
-        extra = [path.seconds(r.prompt_tokens) if path else 0.0 for r in done]
-        ttft = [r.ttft + x for r, x in zip(done, extra, strict=True)]
-        tpot = [r.tpot for r in done if r.output_tokens > 1]
-        met = sum(slo.met(t, r.tpot) for t, r in zip(ttft, done, strict=True))
-        late = sum(t > slo.ttft_s for t in ttft)
-        slow = sum(r.tpot > slo.tpot_s for r in done)
-        runs.append(
+    out_runs = []
+    for run in runs:
+        done = [
+            (t + (path if with_path else 0.0), tpot, n)
+            for _, t, path, tpot, n in run
+            if t is not None
+        ]
+        ttft = [t for t, _, _ in done]
+        met = sum(slo.met(t, tpot) for t, tpot, _ in done)
+        out_runs.append(
             {
-                "goodput": met / len(outcome.requests),
-                "late": late,
-                "slow": slow,
-                **latency_percentiles(ttft, tpot, digits=None),
+                "goodput": met / len(run),
+                "late": sum(t > slo.ttft_s for t in ttft),
+                "slow": sum(tpot > slo.tpot_s for _, tpot, _ in done),
+                **latency_percentiles(ttft, [tpot for _, tpot, n in done if n > 1], digits=None),
             }
         )
-    out: dict[str, Any] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
-    out["goodput_sd"] = statistics.pstdev(r["goodput"] for r in runs)
+    out: dict[str, Any] = {k: statistics.fmean(r[k] for r in out_runs) for k in out_runs[0]}
+    out["goodput_sd"] = statistics.pstdev(r["goodput"] for r in out_runs)
     return out
 
 
-def measured(url: str, trace: Sequence[TraceRequest], slo: SLOClass, seed: int) -> dict[str, Any]:
+def measured(
+    url: str, trace: Sequence[TraceRequest], slo: SLOClass, seed: int, first: int = 0
+) -> dict[str, Any]:
     """Replay `trace` against the engine: loadgen's figures, the engine's own counters and how
-    busy each CPU was."""
+    busy each CPU was; `first`: the load's index of the trace's first request (a segment's)."""
     bar = tqdm(total=len(trace), desc="replay", unit="req", leave=False)
 
     def tick(_: object) -> None:
@@ -371,8 +432,39 @@ def measured(url: str, trace: Sequence[TraceRequest], slo: SLOClass, seed: int) 
         "engine": {name: _counter(url, name) - v for name, v in before.items()},
         "cpu_busy": busy_shares(ticks),
         **{k: summary[k] for k in keys},
-        # per request (index, TTFT, TPOT), for a look at where the model and the engine part
-        "requests": [[r.index, round(r.ttft_s, 5), round(r.tpot_s, 6)] for r in report.results],
+        # per request (the load's index, TTFT, TPOT, SLO met, answered), for a look at where
+        # the model and the engine part, and to pool a load's segments
+        "requests": [
+            [first + r.index, round(r.ttft_s, 5), round(r.tpot_s, 6), int(report.met(r)), int(r.ok)]
+            for r in report.results
+        ],
+    }
+
+
+def pooled(
+    segments: Sequence[dict[str, Any]], trace: Sequence[TraceRequest], slo: SLOClass, seed: int
+) -> dict[str, Any]:
+    """One load's measured figures from its segments' (`measured`), as loadgen's summary
+    computes them over one replay: goodput over every request, TTFT over those answered, TPOT
+    over those answered with more than one output token (`trace`: the whole load's)."""
+    records = [r for s in segments for r in s["requests"]]
+    ok = [r for r in records if r[4]]
+    ttft = [r[1] for r in ok]
+    tpot = [r[2] for r in ok if trace[r[0]].output_tokens > 1]
+    met = [bool(r[3]) for r in records]
+    engine: dict[str, float] = {}
+    for s in segments:
+        for name, v in s["engine"].items():
+            engine[name] = engine.get(name, 0.0) + v
+    return {
+        "goodput": sum(met) / len(met),
+        "goodput_ci": list(bootstrap_share_interval(met, seed=seed)),
+        "late": sum(s["late"] for s in segments),
+        "slow": sum(s["slow"] for s in segments),
+        "errors": sum(s["errors"] for s in segments),
+        "engine": engine,
+        **latency_percentiles(ttft, tpot, digits=None),
+        "requests": records,
     }
 
 
@@ -432,6 +524,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         else (QUICK_LOADS if args.quick else LOADS)
     )
     duration = args.duration or (30.0 if args.quick else 360.0)
+    segments = args.segments or (1 if args.quick else SEGMENTS)
     budget = 20.0 if args.quick else 45.0
     engine_cpu, others = cpu_split()
     os.sched_setaffinity(0, others)  # the client beside the API server, off the engine's core
@@ -450,25 +543,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"{profile.decode}; 0.85 predicted at {rate85:.2f} req/s",
             file=sys.stderr,
         )
-        rows = []
+        slo = search.run.slo_classes[0]
+        traces = [search.trace_at(rate85 * factor) for factor in loads]
+        rows: list[dict[str, Any]] = [
+            {"load": f, "rate_rps": rate85 * f, "requests": len(t), "segments": []}
+            for f, t in zip(loads, traces, strict=True)
+        ]
         fresh, fresh_attempts = probe, attempts
-        for k, factor in enumerate(loads):
-            if k:  # the first load follows the probe above
-                print(f"[fidelity] probing again before x{factor}", file=sys.stderr)
-                fresh, fresh_attempts = probe_engine(url, budget, args.seed + 100 * k)
-            trace = search.trace_at(rate85 * factor)
-            rows.append(
-                {
-                    "load": factor,
-                    "rate_rps": rate85 * factor,
-                    "requests": len(trace),
-                    "probe_before": {
-                        "profile": profile_to_dict(fresh.profile),
-                        "request_path": _request_path(fresh.report),
-                        "attempts": fresh_attempts,
-                    },
-                    "measured": measured(url, trace, search.run.slo_classes[0], args.seed),
-                }
+        # Segment by segment, every load in turn: a drift of the machine's speed falls on all
+        # loads alike, and each segment is predicted from the probe just before it.
+        for j in range(segments):
+            for k, row in enumerate(rows):
+                if j or k:  # the first segment follows the probe above
+                    print(
+                        f"[fidelity] probing before x{row['load']}, segment {j + 1}",
+                        file=sys.stderr,
+                    )
+                    fresh, fresh_attempts = probe_engine(
+                        url, budget, args.seed + 100 * (j * len(rows) + k)
+                    )
+                first, part = segment(traces[k], duration, segments, j)
+                row["segments"].append(
+                    {
+                        "start_s": j * duration / segments,
+                        "first": first,
+                        "requests": len(part),
+                        "probe_before": {
+                            "profile": profile_to_dict(fresh.profile),
+                            "request_path": _request_path(fresh.report),
+                            "attempts": fresh_attempts,
+                        },
+                        "measured": measured(url, part, slo, args.seed, first),
+                    }
+                )
+        for row, trace in zip(rows, traces, strict=True):
+            row["measured"] = pooled(
+                [s["measured"] for s in row["segments"]], trace, slo, args.seed
             )
     return {
         "machine": benchutil.machine_info(),
@@ -480,6 +590,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_batched_tokens": MAX_BATCHED_TOKENS,
             "seed": args.seed,
             "duration_s": duration,
+            "segments": segments,
             "probe_budget_s": budget,
             "probe_attempts": attempts,
             "rate85_rps": rate85,
@@ -488,6 +599,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "loads": rows,
     }
+
+
+def segment(
+    trace: Sequence[TraceRequest], duration: float, segments: int, j: int
+) -> tuple[int, list[TraceRequest]]:
+    """The `j`th of `segments` equal stretches of `trace`'s `duration`, its arrivals from 0,
+    and the trace's index of its first request."""
+    start, end = j * duration / segments, (j + 1) * duration / segments
+    picked = [i for i, r in enumerate(trace) if start <= r.arrival_s < end]
+    first = picked[0] if picked else len(trace)
+    return first, [
+        dataclasses.replace(trace[i], arrival_s=trace[i].arrival_s - start) for i in picked
+    ]
 
 
 def _request_path(report: dict[str, Any]) -> dict[str, Any]:
@@ -523,33 +647,128 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     # the lightest load's requests are the first of every other). The same requests under more
     # load should decode no faster; the model has them a little slower.
     shared = setup["shared_requests"] = min(row["requests"] for row in doc["loads"])
+    company: list[tuple[int, float]] = []
     for i, row in enumerate(doc["loads"]):
         trace = search.trace_at(row["rate_rps"])
         if len(trace) != row["requests"]:
             raise SystemExit(f"load x{row['load']}: the trace is not the one measured")
-        prediction, shared_tpot = predicted(profile, trace, slo, path, shared)
+        # The load as it was served: in segments (each from an idle engine), or whole.
+        stretches = [
+            (
+                s["first"],
+                segment(trace, setup["duration_s"], len(row["segments"]), j)[1],
+                f"loads[{i}].segments[{j}].probe_before",
+                s["probe_before"],
+            )
+            for j, s in enumerate(row.get("segments", ()))
+        ] or [(0, trace, f"loads[{i}].probe_before", row.get("probe_before"))]
+        first_probe = predicted(
+            [Part(tuple(t), first, profile, path) for first, t, _, _ in stretches], slo, shared
+        )
+        prediction = first_probe.figures
         row["shared_tpot_p50_s"] = {
             "measured": statistics.median(
-                tpot for j, _, tpot in row["measured"]["requests"] if j < shared and tpot > 0
+                r[2] for r in row["measured"]["requests"] if r[0] < shared and r[2] > 0
             ),
-            "predicted": shared_tpot,
+            "predicted": first_probe.shared_tpot,
         }
-        if "probe_before" in row:
-            # The same requests predicted from the probe taken just before this load (what
+        if all(before is not None for *_, before in stretches):
+            # The same requests predicted from the probe taken just before each stretch (what
             # an operator re-probing on drift would route by), next to the first probe's.
-            before = row["probe_before"]
-            fresh, fresh_shared_tpot = predicted(
-                profile_from_dict(before["profile"], f"loads[{i}].probe_before.profile"),
-                trace,
+            fresh = predicted(
+                [
+                    Part(
+                        tuple(t),
+                        first,
+                        profile_from_dict(before["profile"], f"{where}.profile"),
+                        RequestPath.recorded(before["request_path"]),
+                    )
+                    for first, t, where, before in stretches
+                ],
                 slo,
-                RequestPath.recorded(before["request_path"]),
                 shared,
             )
-            prediction["probe_before"] = fresh["with_request_path"]
-            row["shared_tpot_p50_s"]["probe_before"] = fresh_shared_tpot
+            prediction["probe_before"] = fresh.figures["with_request_path"]
+            row["shared_tpot_p50_s"]["probe_before"] = fresh.shared_tpot
+            for first, t, _, _ in stretches:
+                company += tpot_in_company(t, first, row["measured"]["requests"], fresh.tpot)
+            for j, s in enumerate(row.get("segments", ())):
+                # Each stretch alone against the probe just before it: how far one probe
+                # carries on this machine.
+                first, t, where, before = stretches[j]
+                alone = predicted(
+                    [
+                        Part(
+                            tuple(t),
+                            first,
+                            profile_from_dict(before["profile"], f"{where}.profile"),
+                            RequestPath.recorded(before["request_path"]),
+                        )
+                    ],
+                    slo,
+                    0,
+                )
+                s["error_from_probe_before"] = errors(
+                    s["measured"], alone.figures["with_request_path"]
+                )
         row["predicted"] = prediction
         row["error"] = {k: errors(row["measured"], p) for k, p in row["predicted"].items()}
+    if company:
+        doc["tpot_by_company"] = by_company(company)
     return doc
+
+
+#: Buckets of `tpot_in_company`: how many other requests decoded while a request did.
+COMPANY = ((0, 0), (1, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
+
+
+def tpot_in_company(
+    trace: Sequence[TraceRequest],
+    first: int,
+    records: Sequence[Sequence[Any]],
+    predicted_tpot: dict[int, float],
+) -> list[tuple[int, float]]:
+    """For each request of one stretch (`trace`, arrivals from its start; `first`, the load's
+    index of its first request) that decoded at least 8 tokens: how many others decoded at some
+    time while it did (as measured: from its first token to its last), and its measured TPOT
+    over the predicted. Where the model prices a lone request right and requests in company
+    wrong, what it misses is in how a changing batch costs, not in the step's constants."""
+    measured = {int(r[0]): r for r in records}
+    spans: dict[int, tuple[float, float]] = {}
+    for k, req in enumerate(trace):
+        rec = measured.get(first + k)
+        # (index, TTFT, TPOT, met, answered); the runs before segments recorded the first three
+        if rec is not None and (len(rec) < 5 or rec[4]) and rec[2] > 0:
+            start = req.arrival_s + rec[1]
+            spans[k] = (start, start + rec[2] * max(0, req.output_tokens - 1))
+    out = []
+    for k, (start, end) in spans.items():
+        tpot = predicted_tpot.get(first + k)
+        if trace[k].output_tokens < 8 or not tpot:
+            continue
+        others = sum(1 for o, (s, e) in spans.items() if o != k and s < end and e > start)
+        out.append((others, measured[first + k][2] / tpot))
+    return out
+
+
+def by_company(pairs: Sequence[tuple[int, float]]) -> list[dict[str, Any]]:
+    """Median measured / predicted TPOT per bucket of `COMPANY`."""
+    out = []
+    for lo, hi in COMPANY:
+        ratios = [r for n, r in pairs if lo <= n <= hi]
+        if ratios:
+            out.append(
+                {
+                    "others_decoding": f"{lo}"
+                    if lo == hi
+                    else f"{lo}+"
+                    if hi > 10**6
+                    else f"{lo}-{hi}",
+                    "requests": len(ratios),
+                    "tpot_measured_over_predicted_p50": round(statistics.median(ratios), 3),
+                }
+            )
+    return out
 
 
 def _recorded(path: Path) -> dict[str, Any]:
@@ -563,9 +782,18 @@ def _recorded(path: Path) -> dict[str, Any]:
             for key in ("load", "rate_rps", "requests", "measured"):
                 if key not in row:
                     raise KeyError(f"loads[{i}].{key}")
-            for key in ("profile", "request_path") if "probe_before" in row else ():
-                if key not in row["probe_before"]:
-                    raise KeyError(f"loads[{i}].probe_before.{key}")
+            befores = (
+                [(f"loads[{i}].probe_before", row["probe_before"])] if "probe_before" in row else []
+            )
+            for j, s in enumerate(row.get("segments", ())):
+                for key in ("first", "probe_before"):
+                    if key not in s:
+                        raise KeyError(f"loads[{i}].segments[{j}].{key}")
+                befores.append((f"loads[{i}].segments[{j}].probe_before", s["probe_before"]))
+            for where, before in befores:
+                for key in ("profile", "request_path"):
+                    if key not in before:
+                        raise KeyError(f"{where}.{key}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{path}: not a measurement of this bench: {exc}") from None
     return dict(doc)
@@ -577,6 +805,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=0.0, help="seconds of trace per load")
     ap.add_argument("--loads", default="", help="factors of the predicted 0.85 rate, e.g. 0.5,1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--segments",
+        type=int,
+        default=0,
+        help=f"stretches per load, each probed before (default {SEGMENTS})",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--repredict",
@@ -594,10 +828,19 @@ def main() -> None:
             f"  TPOT p50 of the first {doc['setup']['shared_requests']} requests: measured "
             f"{1e3 * shared['measured']:.2f} ms, predicted {1e3 * shared['predicted']:.2f} ms"
             + (
-                f" (from the probe before this load {1e3 * shared['probe_before']:.2f} ms)"
+                f" (from the probes before its stretches {1e3 * shared['probe_before']:.2f} ms)"
                 if "probe_before" in shared
                 else ""
             )
+        )
+        for j, s in enumerate(row.get("segments", ())):
+            error = json.dumps(s["error_from_probe_before"])
+            print(f"  stretch {j + 1} from the probe before it: {error}")
+    for bucket in doc.get("tpot_by_company", ()):
+        print(
+            f"requests with {bucket['others_decoding']} others decoding beside them: "
+            f"{bucket['requests']}, TPOT measured / predicted (from the probe before) "
+            f"{bucket['tpot_measured_over_predicted_p50']:.3f} (median)"
         )
 
 
