@@ -675,39 +675,24 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
         if all(before is not None for *_, before in stretches):
             # The same requests predicted from the probe taken just before each stretch (what
             # an operator re-probing on drift would route by), next to the first probe's.
-            fresh = predicted(
-                [
-                    Part(
-                        tuple(t),
-                        first,
-                        profile_from_dict(before["profile"], f"{where}.profile"),
-                        RequestPath.recorded(before["request_path"]),
-                    )
-                    for first, t, where, before in stretches
-                ],
-                slo,
-                shared,
-            )
+            befores = [
+                Part(
+                    tuple(t),
+                    first,
+                    profile_from_dict(before["profile"], f"{where}.profile"),
+                    RequestPath.recorded(before["request_path"]),
+                )
+                for first, t, where, before in stretches
+            ]
+            fresh = predicted(befores, slo, shared)
             prediction["probe_before"] = fresh.figures["with_request_path"]
             row["shared_tpot_p50_s"]["probe_before"] = fresh.shared_tpot
             for first, t, _, _ in stretches:
                 company += tpot_in_company(t, first, row["measured"]["requests"], fresh.tpot)
-            for j, s in enumerate(row.get("segments", ())):
+            for s, part in zip(row.get("segments", ()), befores, strict=False):
                 # Each stretch alone against the probe just before it: how far one probe
                 # carries on this machine.
-                first, t, where, before = stretches[j]
-                alone = predicted(
-                    [
-                        Part(
-                            tuple(t),
-                            first,
-                            profile_from_dict(before["profile"], f"{where}.profile"),
-                            RequestPath.recorded(before["request_path"]),
-                        )
-                    ],
-                    slo,
-                    0,
-                )
+                alone = predicted([part], slo, 0)
                 s["error_from_probe_before"] = errors(
                     s["measured"], alone.figures["with_request_path"]
                 )
