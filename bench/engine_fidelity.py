@@ -704,7 +704,14 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Buckets of `tpot_in_company`: how many other requests decoded while a request did.
-COMPANY = ((0, 0), (1, 1), (2, 3), (4, 7), (8, 15), (16, 10**9))
+COMPANY = (
+    ("0", 0, 0),
+    ("1", 1, 1),
+    ("2-3", 2, 3),
+    ("4-7", 4, 7),
+    ("8-15", 8, 15),
+    ("16+", 16, 10**9),
+)
 
 
 def tpot_in_company(
@@ -739,16 +746,12 @@ def tpot_in_company(
 def by_company(pairs: Sequence[tuple[int, float]]) -> list[dict[str, Any]]:
     """Median measured / predicted TPOT per bucket of `COMPANY`."""
     out = []
-    for lo, hi in COMPANY:
+    for name, lo, hi in COMPANY:
         ratios = [r for n, r in pairs if lo <= n <= hi]
         if ratios:
             out.append(
                 {
-                    "others_decoding": f"{lo}"
-                    if lo == hi
-                    else f"{lo}+"
-                    if hi > 10**6
-                    else f"{lo}-{hi}",
+                    "others_decoding": name,
                     "requests": len(ratios),
                     "tpot_measured_over_predicted_p50": round(statistics.median(ratios), 3),
                 }
