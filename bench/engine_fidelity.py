@@ -806,6 +806,8 @@ def main() -> None:
         help="no engine: predict again for the measurements FILE recorded (after a model change)",
     )
     args = ap.parse_args()
+    if args.segments < 0:
+        ap.error(f"--segments: must be at least 1, got {args.segments}")  # exits 2
     doc = _recorded(Path(args.repredict)) if args.repredict else measure(args)
     doc = compare(doc)
     benchutil.write_json(args.json, doc)
