@@ -725,10 +725,10 @@ def tpot_in_company(
     time while it did (as measured: from its first token to its last), and its measured TPOT
     over the predicted. Where the model prices a lone request right and requests in company
     wrong, what it misses is in how a changing batch costs, not in the step's constants."""
-    measured = {int(r[0]): r for r in records}
+    by_index = {int(r[0]): r for r in records}
     spans: dict[int, tuple[float, float]] = {}
     for k, req in enumerate(trace):
-        rec = measured.get(first + k)
+        rec = by_index.get(first + k)
         # (index, TTFT, TPOT, met, answered); the runs before segments recorded the first three
         if rec is not None and (len(rec) < 5 or rec[4]) and rec[2] > 0:
             start = req.arrival_s + rec[1]
@@ -739,7 +739,7 @@ def tpot_in_company(
         if trace[k].output_tokens < 8 or not tpot:
             continue
         others = sum(1 for o, (s, e) in spans.items() if o != k and s < end and e > start)
-        out.append((others, measured[first + k][2] / tpot))
+        out.append((others, by_index[first + k][2] / tpot))
     return out
 
 
