@@ -174,3 +174,14 @@ def test_partial_prefills_check_the_cache_credit(p1_scale: float, quality: str) 
         assert error < 0.01
     else:
         assert error > fit.FAIR_MAPE and "partial prefill error" in result.profile.notes
+
+
+def test_a_fit_outside_the_physical_bounds_is_a_probe_error() -> None:
+    """A decode step of a nanosecond is no engine's (`core.profile`'s bounds): the probe says so
+    rather than deliver a profile the router and the operator would refuse."""
+    raw = measured()
+    instant = [dataclasses.replace(s, itl_s=1e-9) for s in raw.decode]
+    net = assemble.net_of_request_path(dataclasses.replace(raw, decode=instant))
+    fits = assemble.fit_all(net, CFG)
+    with pytest.raises(ProbeError, match="not physical: decode"):
+        assemble.assemble(CFG, POD, net, fits, elapsed_s=1.0, fitted_at="2026-01-01T00:00:00Z")

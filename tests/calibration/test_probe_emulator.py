@@ -17,7 +17,7 @@ import pytest
 
 from disaggpool import promtext
 from disaggpool.calibration import assemble
-from disaggpool.calibration.probe import ProbeConfig, run_probe
+from disaggpool.calibration.probe import ProbeConfig, ProbeError, run_probe
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import (
     CalibrationProfile,
@@ -190,7 +190,11 @@ def test_a_reprobe_misses_the_prefix_cache_its_predecessor_filled() -> None:
     its report says they shared.)"""
     cfg = EmulatorConfig(A40, port=0, side_channel_port=0, seed=7)
     with EmulatorThread(cfg) as pod:
-        replayed = [run_probe(ProbeConfig(endpoint=pod.url, budget_s=8, seed=1)) for _ in range(2)]
+        first = run_probe(ProbeConfig(endpoint=pod.url, budget_s=8, seed=1))
+        try:
+            again: Any = run_probe(ProbeConfig(endpoint=pod.url, budget_s=8, seed=1))
+        except ProbeError as exc:  # the cache fitted so well that prefill came out free
+            again = exc
         hits_replayed = cache_hits(pod.url)
         fresh = run_probe(ProbeConfig(endpoint=pod.url, budget_s=8))
         hits_fresh = cache_hits(pod.url) - hits_replayed
@@ -198,9 +202,12 @@ def test_a_reprobe_misses_the_prefix_cache_its_predecessor_filled() -> None:
     def own(result: Any) -> int:
         return sum(h for _, h, _ in result.report["measurements"]["partial_prefill"])
 
-    # The failure guarded against is real: the replay fits the cache.
-    assert hits_replayed > own(replayed[0]) + own(replayed[1])
-    first, again = (r.profile.prefill.prompt_time(2000) for r in replayed)
-    assert again < first
+    # The failure guarded against is real: the replay fits the cache, into a cheaper prefill or
+    # into one so cheap it is no engine's (refused: `core.profile`'s bounds).
+    assert hits_replayed > own(first) + (0 if isinstance(again, ProbeError) else own(again))
+    if isinstance(again, ProbeError):
+        assert "not physical: prefill" in str(again)
+    else:
+        assert again.profile.prefill.prompt_time(2000) < first.profile.prefill.prompt_time(2000)
     assert own(fresh) > 0 and hits_fresh == own(fresh)
     assert fresh.report["seed"] != ProbeConfig(endpoint=pod.url).seed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -11,11 +12,13 @@ import pytest
 
 from disaggpool.core.hardware import BUILTIN_PROFILES, builtin_profile
 from disaggpool.core.profile import (
+    BOUNDS,
     QUALITIES,
     CalibrationProfile,
     DecodeModel,
     KVTransferModel,
     PrefillModel,
+    physics_problem,
     profile_from_dict,
     profile_to_dict,
 )
@@ -238,6 +241,8 @@ def _drop(key: str) -> Mutation:
     return mutate
 
 
+BW, BPT = "kv_transfer.bandwidth_bytes_per_s", "kv_transfer.bytes_per_token"
+
 MALFORMED: list[tuple[str, Mutation, str]] = [
     ("missing decode.d1", _drop_d1, "decode.d1"),
     ("negative p1", _set("prefill.p1", -1e-4), "prefill.p1"),
@@ -280,7 +285,16 @@ MALFORMED: list[tuple[str, Mutation, str]] = [
     ),
     ("bad schema_version", _set("schema_version", 2), "schema_version"),
     ("string schema_version", _set("schema_version", "1"), "schema_version"),
-]
+    # Well-formed, but no engine (issue #36: these were accepted as `good`).
+    ("zero decode step", _set("decode", {"d0": 0, "d1": 0, "d2": 0}), "decode.d0"),
+    ("sub-microsecond decode step", _set("decode.d0", 5e-7), "decode.d0"),
+    ("free prefill tokens", _set("prefill.p1", 0.0), "prefill.p1"),
+    ("a decode step of minutes", _set("decode.d0", 3600.0), "decode.d0"),
+    ("1 kB/s link", _set(BW, 1e3), BW),
+    ("fractional byte per token", _set(BPT, 0.5), BPT),
+    ("petabyte KV cache", _set("kv_capacity_tokens", 10**13), "kv_capacity_tokens"),
+    ("million-token blocks", _set("block_size", 10**6), "block_size"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -322,3 +336,119 @@ def test_partial_prefill_time_charges_the_new_tokens_over_the_whole_context() ->
     # 1000 new tokens in two chunks of 512, attending over all 3000
     expected = 2 * 0.01 + 1e-4 * 1000 + 1e-8 * (3000**2 - 2000**2)
     assert pf.partial_time(3000, 2000, 512) == pytest.approx(expected)
+
+
+# --- physics -----------------------------------------------------------------------------------
+
+
+def _numeric_fields() -> set[str]:
+    out = {f"{sec}.{f.name}" for sec in ("prefill", "decode", "kv_transfer")
+           for f in dataclasses.fields(getattr(A40, sec))}  # fmt: skip
+    return out | {f.name for f in dataclasses.fields(CalibrationProfile) if f.type in ("int", int)}
+
+
+A40 = BUILTIN_PROFILES["a40-llama3-8b"]
+
+
+def test_every_constant_has_physical_bounds() -> None:
+    """A constant added to the profile without a bound would escape the physics check."""
+    assert set(BOUNDS) == _numeric_fields()
+
+
+@pytest.mark.parametrize("path", sorted(BOUNDS))
+def test_each_bound_is_inclusive_and_refuses_beyond_it(path: str) -> None:
+    low, high, unit, _ = BOUNDS[path]
+    integer = isinstance(low, int)
+    for edge in (low, high if high != float("inf") else 1e30):
+        data = _valid()
+        _set(path, int(edge) if integer else float(edge))(data)
+        profile_from_dict(data, source="edge.yaml")  # at the bound: accepted
+    beyond = [high + 1 if integer else high * 1.01] if high != float("inf") else []
+    if low > 0:
+        beyond.append(low - 1 if integer else low * 0.99)
+    for value in beyond:
+        data = _valid()
+        _set(path, value)(data)
+        with pytest.raises(InputError) as info:
+            profile_from_dict(data, source="bad.yaml")
+        assert info.value.field == path
+        if value > 0:  # 0 and below fail the schema check first, with its own message
+            assert f" {unit} (" in info.value.message
+            assert info.value.message.endswith(repr(value))
+
+
+def test_a_zero_decode_step_is_refused_naming_the_field_and_the_physics() -> None:
+    data = _valid()
+    data["decode"]["d0"] = 0.0
+    with pytest.raises(InputError) as info:
+        profile_from_dict(data, source="zero.yaml")
+    assert str(info.value) == (
+        "zero.yaml: decode.d0: must be between 1e-06 and 60 s "
+        "(every step reads all the weights: under 1 us is no engine), got 0.0"
+    )
+
+
+def test_schema_errors_come_before_physics() -> None:
+    """A negative or non-finite constant keeps its schema message (PROFILES.md quotes them)."""
+    data = _valid()
+    data["prefill"]["p1"] = -0.1
+    with pytest.raises(InputError, match=r"must be a finite non-negative number, got -0\.1"):
+        profile_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        DecodeModel(0.0, 0.0, 0.0),
+        DecodeModel(float("nan"), 1e-4, 2e-7),
+        DecodeModel(float("inf"), 1e-4, 2e-7),
+        DecodeModel(-0.03, 1e-4, 2e-7),
+        DecodeModel(1e-300, 0.0, 0.0),
+        DecodeModel(0.03, 1e300, 2e-7),
+        DecodeModel("fast", 1e-4, 2e-7),  # type: ignore[arg-type]
+    ],
+    ids=["zero", "nan", "inf", "negative", "subnormal", "huge", "string"],
+)
+def test_a_profile_built_in_code_outside_the_bounds_is_never_trusted(broken: DecodeModel) -> None:
+    """The scorer reads `trusted`: a profile that no file could carry keeps its constants but
+    is priced like a pod without a profile (core.policies.calibrated)."""
+    p = dataclasses.replace(A40, decode=broken)
+    assert p.quality == "good" and not p.trusted
+    assert p.implausible.startswith("decode.d")
+    assert physics_problem(p) is not None
+    assert physics_problem(A40) is None and A40.implausible == ""
+
+
+def test_huge_integers_are_a_problem_not_an_overflow() -> None:
+    p = dataclasses.replace(A40, kv_capacity_tokens=10**400, max_num_batched_tokens=0)
+    assert p.implausible.startswith("kv_capacity_tokens: must be between 1 and 1e+12 tokens")
+
+
+def test_distrust_makes_a_profile_untrusted_without_changing_what_it_is() -> None:
+    distrusted = dataclasses.replace(A40, distrust="drift error 0.8 > 0.5")
+    assert not distrusted.trusted and A40.trusted
+    assert distrusted == A40 and hash(distrusted) == hash(A40)  # the same profile, re-delivered
+    assert "distrust" not in profile_to_dict(distrusted)["metadata"]  # router state, not a file's
+    assert dataclasses.replace(distrusted, name="x").distrust  # kept by copies
+    assert "distrust" not in repr(distrusted) and "implausible" not in repr(distrusted)
+
+
+def test_trust_survives_pickling() -> None:
+    """The simulator's worker processes receive profiles pickled."""
+    for p in (
+        A40,
+        dataclasses.replace(A40, quality="poor"),
+        dataclasses.replace(A40, distrust="x"),
+    ):
+        back = pickle.loads(pickle.dumps(p))
+        assert (back.trusted, back.implausible, back.distrust) == (
+            p.trusted, p.implausible, p.distrust
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_PROFILES))
+def test_builtins_sit_inside_the_bounds_scaled_tenfold_either_way(name: str) -> None:
+    """Generous bounds: the shipped profiles stay plausible on a card ten times faster or
+    slower (`scaled`, as scenarios' `speed` does)."""
+    for speed in (0.1, 1.0, 10.0):
+        assert BUILTIN_PROFILES[name].scaled(speed).implausible == ""

@@ -191,3 +191,54 @@ def test_yaml_exponent_without_dot_or_sign_is_a_number(
     path = tmp_path / "p.yaml"
     path.write_text(body, encoding="utf-8")
     assert load_profile(path).kv_transfer.bandwidth_bytes_per_s == value
+
+
+# --- every profile the repo ships passes the physics ------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _profiles_in(doc: object, where: str) -> list[tuple[str, dict[str, object]]]:
+    """Every mapping shaped like a whole profile inside a parsed JSON/YAML document."""
+    found: list[tuple[str, dict[str, object]]] = []
+    if isinstance(doc, dict):
+        if {"prefill", "decode", "kv_transfer", "kv_capacity_tokens"} <= set(doc):
+            found.append((where, doc))
+        for key, value in doc.items():
+            found += _profiles_in(value, f"{where}/{key}")
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            found += _profiles_in(value, f"{where}[{i}]")
+    return found
+
+
+def _repo_profiles() -> list[tuple[str, dict[str, object]]]:
+    """Probe results recorded by the benchmarks, golden files, and every YAML block of the docs
+    that is a profile (PROFILES.md's example among them)."""
+    found = []
+    for path in sorted([*REPO.glob("bench/*.json"), *REPO.glob("docs/*.json")]):
+        found += _profiles_in(json.loads(path.read_text(encoding="utf-8")), path.name)
+    for path in sorted([*REPO.glob("tests/operator/golden/*.yaml"), *REPO.glob("examples/*.yaml")]):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            found += _profiles_in(doc, path.name)
+    docs = [*REPO.glob("*.md"), *REPO.glob("docs/*.md"), *REPO.glob("src/disaggpool/**/*.md")]
+    for path in sorted(docs):
+        for block in path.read_text(encoding="utf-8").split("```yaml")[1:]:
+            try:
+                doc = yaml.safe_load(block.split("```")[0])
+            except yaml.YAMLError:
+                continue  # an excerpt with placeholders, not a document
+            found += _profiles_in(doc, path.name)
+    return found
+
+
+def test_every_profile_in_the_repo_is_plausible() -> None:
+    """The physical bounds are generous enough for every real profile: the built-ins, what the
+    probe fitted on real vLLM and on the emulators (bench/*.json), the docs' examples."""
+    found = _repo_profiles()
+    assert len(found) >= 20, [w for w, _ in found]  # the walk found the benchmarks' probes
+    assert any(w == "PROFILES.md" for w, _ in found)
+    for where, data in found:
+        profile_from_dict(data, source=where)  # raises InputError naming the field
+    for profile in BUILTIN_PROFILES.values():
+        profile_from_dict(profile_to_dict(profile), source=profile.name)

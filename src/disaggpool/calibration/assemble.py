@@ -130,6 +130,10 @@ def assemble(
         notes=reason,
         unmeasured=unmeasured,
     )
+    if profile.implausible:
+        # The router and the operator would refuse it (`core.profile`'s physical bounds): say so
+        # here, where the pod can be probed again, rather than deliver a profile nobody takes.
+        raise ProbeError(f"the fitted profile is not physical: {profile.implausible}")
     return ProbeResult(profile, _report(cfg, net, fits, elapsed_s, quality, reason, checks))
 
 

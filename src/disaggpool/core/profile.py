@@ -12,6 +12,13 @@ The formulas (seconds; token counts are integers):
   this is ``p0 + p1 * sum(n_i) + p2 * sum(n_i**2)`` (DistServe's functional form);
 * decode step with B running sequences holding K context tokens in total: ``d0 + d1 * B + d2 * K``;
 * KV transfer of n prompt tokens: ``k0 + n * bytes_per_token / bandwidth_bytes_per_s``.
+
+A profile is validated as physics, not only as a schema: every constant must lie within
+`BOUNDS` (PROFILES.md, "Physical bounds"), so a decode step of no time, a link of no bandwidth or
+a prefill that costs nothing is refused where it is read (`profile_from_dict` raises `InputError`
+naming the field). A profile built in code is checked when it is built: one outside the bounds
+keeps its constants but is never `trusted`, so the scorer prices it as it prices a pod without a
+profile (`core.policies.calibrated`) and never divides by what it cannot trust.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 from disaggpool.errors import InputError
 
 __all__ = [
+    "BOUNDS",
     "QUALITIES",
     "SOURCES",
     "UNMEASURABLE",
@@ -31,6 +39,7 @@ __all__ = [
     "DecodeModel",
     "KVTransferModel",
     "PrefillModel",
+    "physics_problem",
     "profile_from_dict",
     "profile_to_dict",
 ]
@@ -41,6 +50,28 @@ QUALITIES = ("good", "fair", "poor", "unknown")
 #: The terms a profile may mark as not measured (`metadata.unmeasured`): the probe always fits
 #: prefill and decode or fails, but measures the KV transfer only with a prefill peer.
 UNMEASURABLE = ("kv_transfer",)
+
+#: The physically plausible range of every constant, inclusive: field -> (lowest, highest, unit,
+#: why). Far wider than any engine (the built-in profiles and every probe in the repo sit orders of
+#: magnitude inside them); what they refuse is a constant the scorer cannot use: one it divides by
+#: that is zero, or one so small or large that it sends every request to one pod or none.
+#: PROFILES.md ("Physical bounds") gives the reasoning behind each.
+BOUNDS: dict[str, tuple[float, float, str, str]] = {
+    "prefill.p0": (0.0, 60.0, "s", "an iteration's fixed cost"),
+    "prefill.p1": (1e-9, 10.0, "s/token", "under 1 ns is a billion prompt tokens a second"),
+    "prefill.p2": (0.0, 1e-3, "s/token^2", "attention's cost per squared prompt length"),
+    "decode.d0": (1e-6, 60.0, "s", "every step reads all the weights: under 1 us is no engine"),
+    "decode.d1": (0.0, 1.0, "s/sequence", "a running sequence's cost per step"),
+    "decode.d2": (0.0, 1e-3, "s/token", "reading one context token's KV cache"),
+    "kv_transfer.k0": (0.0, 60.0, "s", "a transfer's setup cost"),
+    "kv_transfer.bytes_per_token": (1.0, 1e9, "bytes", "one token's KV cache"),
+    "kv_transfer.bandwidth_bytes_per_s": (1e6, math.inf, "bytes/s", "under 1 MB/s is no link"),
+    "kv_capacity_tokens": (1, 10**12, "tokens", "10^12 tokens of KV cache are petabytes"),
+    "max_num_seqs": (1, 10**6, "sequences", "beyond any engine's batch"),
+    "max_num_batched_tokens": (1, 10**9, "tokens", "beyond any engine's iteration"),
+    "block_size": (1, 65536, "tokens", "beyond any engine's KV block"),
+    "max_model_len": (1, 10**9, "tokens", "beyond any model's context"),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,11 +148,24 @@ class CalibrationProfile:
     notes: str = ""
     #: Terms of `UNMEASURABLE` whose constants are defaults, not measurements (in that order).
     unmeasured: tuple[str, ...] = ()
+    #: Why the router stopped trusting this profile ("" while it does): its predictions were
+    #: contradicted by what the pod did (`sidecar.profile_trust`). Router state, not provenance:
+    #: never written to a file, and two profiles differing only in it are equal.
+    distrust: str = dataclasses.field(default="", compare=False, repr=False)
+    #: "FIELD: why" for the first constant outside `BOUNDS`, "" when all are plausible; set when
+    #: the profile is built (a profile read from a file never has one: it is refused instead).
+    implausible: str = dataclasses.field(init=False, default="", compare=False, repr=False)
+    #: A profile the router may score with: quality `good` or `fair` (a `poor` fit is never
+    #: trusted), every constant plausible, and not distrusted. Computed once when the profile is
+    #: built: the scorer reads it for every pod of every decision.
+    trusted: bool = dataclasses.field(init=False, default=False, compare=False, repr=False)
 
-    @property
-    def trusted(self) -> bool:
-        """A profile the router may score with (a `poor` fit is never trusted)."""
-        return self.quality in ("good", "fair")
+    def __post_init__(self) -> None:
+        problem = physics_problem(self)
+        implausible = f"{problem[0]}: {problem[1]}" if problem else ""
+        object.__setattr__(self, "implausible", implausible)
+        trusted = self.quality in ("good", "fair") and not implausible and not self.distrust
+        object.__setattr__(self, "trusted", trusted)
 
     @property
     def transfer_measured(self) -> bool:
@@ -142,6 +186,42 @@ class CalibrationProfile:
             ),
             decode=DecodeModel(self.decode.d0 * inv, self.decode.d1 * inv, self.decode.d2 * inv),
         )
+
+
+# ----------------------------------------------------------------------------- physics
+
+
+def physics_problem(p: CalibrationProfile) -> tuple[str, str] | None:
+    """(field, message) for the first constant of `p` outside `BOUNDS` (in `BOUNDS`' order), or
+    None. Takes whatever it is given: a profile built in code may hold NaN, infinities, negative
+    numbers or strings, and each is a problem, never an exception."""
+    values: dict[str, object] = {
+        "prefill.p0": p.prefill.p0,
+        "prefill.p1": p.prefill.p1,
+        "prefill.p2": p.prefill.p2,
+        "decode.d0": p.decode.d0,
+        "decode.d1": p.decode.d1,
+        "decode.d2": p.decode.d2,
+        "kv_transfer.k0": p.kv_transfer.k0,
+        "kv_transfer.bytes_per_token": p.kv_transfer.bytes_per_token,
+        "kv_transfer.bandwidth_bytes_per_s": p.kv_transfer.bandwidth_bytes_per_s,
+        "kv_capacity_tokens": p.kv_capacity_tokens,
+        "max_num_seqs": p.max_num_seqs,
+        "max_num_batched_tokens": p.max_num_batched_tokens,
+        "block_size": p.block_size,
+        "max_model_len": p.max_model_len,
+    }
+    for path, value in values.items():
+        low, high, unit, why = BOUNDS[path]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high  # NaN compares false: refused here
+            or (isinstance(value, float) and not math.isfinite(value))  # inf, where high is
+        ):
+            span = f"at least {low:g}" if high == math.inf else f"between {low:g} and {high:g}"
+            return path, f"must be {span} {unit} ({why}), got {value!r}"
+    return None
 
 
 # ----------------------------------------------------------------------------- dict <-> profile
@@ -250,7 +330,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
     unknown = set(data) - known
     if unknown:
         raise InputError(source, min(map(str, unknown)), "unknown field")
-    return CalibrationProfile(
+    profile = CalibrationProfile(
         name=name,
         prefill=PrefillModel(**_section(data, "prefill", source)),
         decode=DecodeModel(**_section(data, "decode", source)),
@@ -264,8 +344,13 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> CalibrationProfil
         ttft_mape=errors.get("ttft_mape"),
         tpot_mape=errors.get("tpot_mape"),
         unmeasured=unmeasured,
+        distrust="",  # router state, never read from a file
         **ints,
     )
+    problem = physics_problem(profile)
+    if problem is not None:  # well-formed, but no engine: refused rather than scored with
+        raise InputError(source, *problem)
+    return profile
 
 
 def _unmeasured(value: Any, source: str) -> tuple[str, ...]:

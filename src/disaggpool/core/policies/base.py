@@ -74,9 +74,10 @@ def with_predictions(
 
     Baselines do not use predictions to choose, but reporting them lets the sidecar compare
     predicted and observed latency whatever policy runs. `elapsed_s` (late binding): the prefill
-    is done, `elapsed_s` after arrival.
+    is done, `elapsed_s` after arrival. A profile outside the physical bounds
+    (`CalibrationProfile.implausible`, e.g. a zero decode step) predicts nothing.
     """
-    if p.profile is None or d.profile is None:
+    if p.profile is None or d.profile is None or p.profile.implausible or d.profile.implausible:
         return RouteDecision(prefill=p.name, decode=d.name, policy=policy)
     ready = costmodel.prefill_ready_time(req, p, p.profile) if elapsed_s is None else elapsed_s
     est = costmodel.decode_estimate(req, d, d.profile, ready, bound_late=elapsed_s is not None)

@@ -33,6 +33,13 @@ minimisation. `slack=None` disables it (the greedy variant used to show the fail
 **Missing profiles.** An instance without a trusted profile is scored with the median trusted
 profile of its pool, and the decision says ``fallback="median-profile"``; with no trusted profile
 at all the policy routes least-loaded and says ``fallback="least-loaded"``. Never a silent default.
+A profile is trusted when its fit is `good` or `fair`, every constant lies within the physical
+bounds of `core.profile.BOUNDS` and the router has not distrusted it (`CalibrationProfile.trusted`,
+computed once per profile). Scoring only with such profiles is what keeps every division here
+defined and every estimate finite, whatever the profiles fed in: a decode step of at least 1 us
+(the guard's weight divides by it), a chunk budget and a KV block of at least one token, a link
+of at least 1 MB/s. Profiles given to the policy (`profiles=`) are scored as given unless a
+constant is outside those bounds; such a pod then counts as one without a profile.
 
 **Unmeasured KV transfer.** A decode profile probed without a prefill peer carries default KV
 transfer constants, marked ``metadata.unmeasured: [kv_transfer]`` (PROFILES.md). Defaults are not
@@ -135,6 +142,7 @@ class CalibratedPolicy:
         whether the pool's median trusted profile stood in for any."""
         if self._override is not None:
             got = [self._override.get(i.name) for i in instances]
+            got = [p if p is not None and not p.implausible else None for p in got]
             complete = [p for p in got if p is not None]
             return (complete if len(complete) == len(got) else None), False
         got = [

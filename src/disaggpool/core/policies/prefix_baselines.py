@@ -92,6 +92,13 @@ class CacheAware(_PrefixBaseline):
         return argmin(instances, lambda i: i.inflight, rng)
 
 
+def _block_size(i: InstanceSnapshot) -> int:
+    """`i`'s KV block in tokens: its profile's, or vLLM's default 16 without a plausible one (a
+    block of 0 tokens, possible only in a profile built in code, would be divided by)."""
+    p = i.profile
+    return p.block_size if p is not None and not p.implausible else 16
+
+
 class DynamoKv(_PrefixBaseline):
     """NVIDIA Dynamo's KV-router cost, disaggregated mode (module docstring)."""
 
@@ -104,7 +111,7 @@ class DynamoKv(_PrefixBaseline):
         n = req.prompt_tokens
 
         def cost(i: InstanceSnapshot) -> float:
-            block = i.profile.block_size if i.profile is not None else 16
+            block = _block_size(i)
             return max(0.0, (i.queued_tokens + n - hits.get(i.name, 0)) / block)
 
         return argmin(instances, cost, rng)
@@ -114,7 +121,7 @@ class DynamoKv(_PrefixBaseline):
     ) -> InstanceSnapshot:
         # KV blocks in use; the request's own new blocks are the same on every instance.
         def blocks(i: InstanceSnapshot) -> float:
-            block = i.profile.block_size if i.profile is not None else 16
+            block = _block_size(i)
             return (i.kv_tokens_used + i.queued_tokens) / block
 
         return argmin(instances, blocks, rng)
@@ -136,7 +143,8 @@ class LlmdWeighted(_PrefixBaseline):
         high, low = max(waiting), min(waiting)
         scores = []
         for inst, hit in zip(instances, prefix, strict=True):
-            capacity = inst.profile.kv_capacity_tokens if inst.profile is not None else 0
+            prof = inst.profile
+            capacity = prof.kv_capacity_tokens if prof is not None and not prof.implausible else 0
             used = min(1.0, inst.kv_tokens_used / capacity) if capacity > 0 else 0.0
             queue = 1.0 if high == low else (high - inst.waiting) / (high - low)
             scores.append(w_prefix * hit + w_kv * (1.0 - used) + w_queue * queue)

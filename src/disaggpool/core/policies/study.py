@@ -52,9 +52,10 @@ class StudyWeightedPolicy:
         self._override = profiles
 
     def _profile(self, inst: InstanceSnapshot) -> CalibrationProfile | None:
-        if self._override is not None:
-            return self._override.get(inst.name)
-        return inst.profile
+        """The constants to score `inst` with; None (counted in tokens) for a profile outside
+        the physical bounds, whose zero capacity or step time the scores would divide by."""
+        prof = self._override.get(inst.name) if self._override is not None else inst.profile
+        return prof if prof is not None and not prof.implausible else None
 
     def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
         prefills = healthy(pool.prefill, "prefill")
