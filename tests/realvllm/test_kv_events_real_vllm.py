@@ -19,6 +19,7 @@ from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.sidecar.config import parse_config
 from disaggpool.sidecar.kv_events import KVEventSubscribers
 from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.supervise import Supervisor
 
 SLO = [{"name": "chat", "ttft_s": 30.0, "tpot_s": 1.0}]
 
@@ -45,7 +46,9 @@ def test_real_vllm_events_predict_its_prefix_cache_hits(single_engine: Any) -> N
     )
     service = RoutingService(config)
     service.state.set_members(config.static_members)
-    subs = KVEventSubscribers(service, config.kv_events)  # its sockets unused: we feed it
+    subs = KVEventSubscribers(
+        service, config.kv_events, _supervisor(service)
+    )  # its sockets unused: we feed it
     last: list[int | None] = [None]
 
     def listen(seconds: float) -> int:
@@ -80,3 +83,7 @@ def test_real_vllm_events_predict_its_prefix_cache_hits(single_engine: Any) -> N
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def _supervisor(service: RoutingService) -> Supervisor:
+    return Supervisor(service.metrics.loop_errors, service.metrics.loop_restarts)

@@ -24,6 +24,7 @@ from disaggpool.formats.kv_events import (
 from disaggpool.sidecar.config import parse_config
 from disaggpool.sidecar.kv_events import KVEventSubscribers
 from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.supervise import Supervisor
 
 SLO = [{"name": "chat", "ttft_s": 30.0, "tpot_s": 1.0}]
 
@@ -167,7 +168,7 @@ def test_malformed_messages_are_dropped_and_a_gap_restarts_the_index() -> None:
     )
     service = RoutingService(config)
     service.state.set_members(config.static_members)
-    subs = KVEventSubscribers(service, config.kv_events)
+    subs = KVEventSubscribers(service, config.kv_events, _supervisor(service))
     tokens = tuple(range(32))
 
     def batch(seq: int, *events: object) -> list[bytes]:
@@ -189,3 +190,7 @@ def test_malformed_messages_are_dropped_and_a_gap_restarts_the_index() -> None:
     metrics = service.metrics.render().decode()
     assert 'disaggpool_kv_events_malformed_total{pod="p0"} 3.0' in metrics
     assert 'disaggpool_kv_events_gaps_total{pod="p0"} 1.0' in metrics
+
+
+def _supervisor(service: RoutingService) -> Supervisor:
+    return Supervisor(service.metrics.loop_errors, service.metrics.loop_restarts)

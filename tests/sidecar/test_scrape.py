@@ -50,6 +50,14 @@ def test_data_parallel_engines_are_summed() -> None:
         ("<html>not metrics</html>", "not a vLLM pod"),
         ('vllm:num_requests_running{engine="0"} lots\nvllm:num_requests_waiting 0', "malformed"),
         (DP.replace('num_gpu_blocks="100"', 'num_gpu_blocks="x"'), "cache_config_info"),
+        (DP.replace('num_gpu_blocks="100"', 'num_gpu_blocks="-5"'), "cache_config_info"),
+        # Legal exposition, impossible states: each once ended the scrape loop (int(NaN)).
+        (DP.replace('"m"} 3.0', '"m"} NaN'), "running is nan"),
+        (DP.replace('"m"} 3.0', '"m"} +Inf'), "running is inf"),
+        (DP.replace('"m"} 1.0', '"m"} -1'), "waiting is -1"),
+        (DP.replace('"m"} 1.0', '"m"} 1e300'), "waiting is 1e"),
+        (DP.replace('"m"} 0.25', '"m"} -Inf'), "usage_perc is -inf"),
+        (DP.replace('"m"} 0.25', '"m"} 2.5'), "not a 0-1 fraction"),
     ],
 )
 def test_pages_that_are_not_vllm_are_refused(text: str, match: str) -> None:

@@ -33,6 +33,14 @@ def test_full_config_parses(tmp_path: Path) -> None:
 policy: least_loaded
 model: meta-llama/Meta-Llama-3-8B
 listen: {grpc: "0.0.0.0:50051", http: "127.0.0.1:0"}
+grpc: {token_file: grpc-token, lease_s: 30, max_inflight: 100, max_inflight_per_client: 10}
+auth: {api_keys_file: keys, upstream_api_key_file: /etc/vllm/key}
+max_body_bytes: 1048576
+max_model_len: 4096
+forward_client_priority: true
+debug_errors: true
+decode_attempts: 3
+upstream_timeouts: {connect_s: 2, first_byte_s: 100, idle_s: 20, total_s: 300}
 slo_classes:
   - {name: interactive, ttft_s: 1.0, tpot_s: 0.05}
   - {name: batch, ttft_s: 30, tpot_s: 0.5}
@@ -46,10 +54,26 @@ pool:
   kubernetes: {namespace: ns, selector: "disaggpool.io/pool=x", port: 8000}
 profiles:
   dir: profiles
-  kubernetes: {namespace: ns, selector: "disaggpool.io/pool=x,disaggpool.io/profile=true"}
+  kubernetes:
+    namespace: ns
+    selector: "disaggpool.io/pool=x,disaggpool.io/profile=true"
+    owner: x
 """
     )
     cfg = load_config(path)
+    assert cfg.grpc.token_file == str(tmp_path / "grpc-token") and cfg.grpc.authenticated
+    assert (cfg.grpc.lease_s, cfg.grpc.max_inflight, cfg.grpc.max_inflight_per_client) == (
+        30,
+        100,
+        10,
+    )
+    assert cfg.auth.api_keys_file == str(tmp_path / "keys")
+    assert cfg.auth.upstream_api_key_file == "/etc/vllm/key"
+    assert (cfg.max_body_bytes, cfg.max_model_len, cfg.decode_attempts) == (1048576, 4096, 3)
+    assert cfg.forward_client_priority and cfg.debug_errors
+    t = cfg.upstream_timeouts
+    assert (t.connect_s, t.first_byte_s, t.idle_s, t.total_s) == (2, 100, 20, 300)
+    assert cfg.profiles_kubernetes is not None and cfg.profiles_kubernetes.owner == "x"
     assert cfg.policy == "least_loaded" and cfg.max_inflight == 64 and cfg.prefill_attempts == 3
     assert cfg.default_slo.name == "batch" and cfg.slo("interactive") is not None
     assert cfg.slo("") is cfg.default_slo and cfg.slo("nope") is None
@@ -114,6 +138,33 @@ def test_pooled_connections_expire_before_vllms_own_keep_alive() -> None:
         ),
         ({"pool": {"kubernetes": {"namespace": "ns"}}}, "pool.kubernetes.selector"),
         ({"colour": "blue"}, "colour"),
+        ({"listen": {"grpc": "0.0.0.0:50051"}}, "listen.grpc"),
+        (
+            {
+                "listen": {"grpc": "198.18.0.1:1"},
+                "grpc": {"tls": {"cert_file": "c", "key_file": "k"}},
+            },
+            "listen.grpc",
+        ),
+        (
+            {"grpc": {"max_inflight": 4, "max_inflight_per_client": 8}},
+            "grpc.max_inflight_per_client",
+        ),
+        ({"grpc": {"lease_s": 0}}, "grpc.lease_s"),
+        ({"grpc": {"tls": {"cert_file": "c"}}}, "grpc.tls.key_file"),
+        ({"grpc": {"token": "x"}}, "grpc.token"),
+        ({"auth": {"keys": "x"}}, "auth.keys"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+        ({"max_model_len": -1}, "max_model_len"),
+        ({"decode_attempts": 0}, "decode_attempts"),
+        ({"debug_errors": "yes"}, "debug_errors"),
+        ({"upstream_timeouts": {"idle_s": 0}}, "upstream_timeouts.idle_s"),
+        ({"upstream_timeouts": {"idle_s": 700}}, "upstream_timeouts.idle_s"),
+        ({"upstream_timeouts": {"total_s": 9}, "upstream_timeout_s": 9}, "upstream_timeout_s"),
+        (
+            {"profiles": {"kubernetes": {"namespace": "n", "selector": "a in (b"}}},
+            "profiles.kubernetes.selector",
+        ),
         ({"policy": "least_loaded", "priority_scheduling": True}, "priority_scheduling"),
         ({"priority_scheduling": "yes"}, "priority_scheduling"),
         ({"shutdown_delay_s": -1}, "shutdown_delay_s"),

@@ -54,6 +54,9 @@ class ProbeConfig:
     # sub-millisecond constants come out right on virtual machines whose idle CPUs wake slowly,
     # at the price of one busy core for the probe's duration. Not in a process it shares.
     busy_poll: bool = False
+    # vLLM's --api-key, sent as `Authorization: Bearer` on every request (its /v1 routes need
+    # it); `disaggpool calibrate` reads it from $DISAGGPOOL_API_KEY. Kept out of repr and reports.
+    api_key: str = dataclasses.field(default="", repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,10 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     connector = aiohttp.TCPConnector(keepalive_timeout=POD_CONNECTION_REUSE_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
         client = Client(session, cfg)
         pod = await client.discover(cfg.endpoint.rstrip("/"))
         peer = await client.discover(cfg.peer.rstrip("/")) if cfg.peer else None

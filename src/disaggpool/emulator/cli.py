@@ -5,11 +5,13 @@
                        [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
                        [--startup-delay SECONDS] [--[no-]enable-prefix-caching]
                        [--kv-events-config JSON] [--scheduling-policy fcfs|priority]
+                       [--api-key KEY ...]
 
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
 `VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; really listened on). `VLLM_SERVER_DEV_MODE=1`
-adds vLLM's development endpoint `POST /reset_prefix_cache`; `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
+adds vLLM's development endpoint `POST /reset_prefix_cache`; `VLLM_API_KEY` is the key when
+`--api-key` is not given, as in vLLM; `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
 (default 5 s) closes idle HTTP connections as vLLM's server does. Exit codes: 0 after a signal,
 2 bad input (the message names the flag or file and the field), 1 anything else (for example a
 port already in use).
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -98,6 +101,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="vLLM's KV events config as JSON, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
     )
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require one of these keys (Authorization: Bearer) under /v1, as vLLM's --api-key; "
+        "default: $VLLM_API_KEY",
+    )
     return p
 
 
@@ -126,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         port=args.port,
         side_channel_host=host,
         side_channel_port=port,
+        api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY", "")]) if k),
     )
 
 

@@ -106,6 +106,9 @@ class EmulatorConfig:
     # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE: an idle client connection is closed after this long,
     # so that a router pooling connections for longer meets the closes vLLM's server makes.
     http_keep_alive: float = VLLM_KEEP_ALIVE_S
+    # vLLM's --api-key (or VLLM_API_KEY): requests under /v1, /v2, /inference and /cohere need
+    # one of them as `Authorization: Bearer`; /health, /metrics, /tokenize stay open, as there.
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

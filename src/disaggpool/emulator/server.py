@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import logging
 import socket
 import time
@@ -80,8 +81,33 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json(error_body(500, "Internal server error"), 500)
 
 
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key protects
+
+
+def _authenticate(
+    keys: tuple[str, ...],
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """vLLM's AuthenticationMiddleware: a Bearer key under the guarded prefixes, else 401."""
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith(_GUARDED):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            presented = hashlib.sha256(token.encode()).digest()
+            matched = sum(hmac.compare_digest(presented, d) for d in digests)
+            if scheme.lower() != "bearer" or not matched:
+                return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    return check
+
+
 def build_app(instance: EmulatorInstance) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=_MAX_BODY)
+    middlewares: list[Any] = [_errors]
+    if instance.config.api_keys:
+        middlewares.insert(0, _authenticate(instance.config.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
     app[_INSTANCE] = instance
     # vLLM's system_fingerprint is "vllm-<version>-<hash of the engine configuration>".
     digest = hashlib.sha256(

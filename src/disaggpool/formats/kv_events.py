@@ -52,6 +52,10 @@ __all__ = [
     "split_tokens",
 ]
 
+# vLLM's KV cache blocks hold 16 tokens by default and a few hundred at most (hybrid models align
+# them to their state size); far more is no engine's, and would size every lookup by it.
+MAX_BLOCK_SIZE = 1 << 16
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 FLAG = "--kv-events-config"
 
@@ -210,8 +214,9 @@ def _decode_event(raw: Any, i: int) -> Event | None:
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise KVEventError(f"{where}.token_ids: must be a list of integers")
         size = raw.get("block_size")
-        if not isinstance(size, int) or size < 1:
-            raise KVEventError(f"{where}.block_size: must be a positive integer")
+        if not isinstance(size, int) or not 1 <= size <= MAX_BLOCK_SIZE:
+            # A block size the engine cannot have would size every later prefix lookup by it.
+            raise KVEventError(f"{where}.block_size: must be an integer in 1..{MAX_BLOCK_SIZE}")
         if len(tokens) != size * len(hashes):
             raise KVEventError(
                 f"{where}.token_ids: {len(tokens)} tokens for {len(hashes)} blocks of {size}"

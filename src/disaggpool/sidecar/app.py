@@ -2,7 +2,9 @@
 
 `disaggpool sidecar --config FILE` calls `run_forever`; tests and the demo use `start_sidecar`,
 which returns a `RunningSidecar` with the bound ports (0 in the config picks free ones) and an
-async `close`. Everything shares one asyncio loop, so the routing service needs no locks.
+async `close`. Everything shares one asyncio loop, so the routing service needs no locks. Every
+background loop (the collectors', the gRPC health publisher, the pool writer) runs under one
+`Supervisor`, which `/livez` reads.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health
 
+from disaggpool.sidecar.auth import KeyFile, TokenInterceptor, server_credentials
 from disaggpool.sidecar.autoscale import DecodeRecommender
 from disaggpool.sidecar.collectors import Collectors
-from disaggpool.sidecar.config import SidecarConfig
+from disaggpool.sidecar.config import SidecarConfig, is_loopback
 from disaggpool.sidecar.frontdoor import FrontDoor
-from disaggpool.sidecar.grpc_server import add_router, health_status
+from disaggpool.sidecar.grpc_server import SERVICE_NAME, add_router, health_status
 from disaggpool.sidecar.pool_writer import AnnotationSource, DriftReport, PoolWriter
 from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.supervise import Supervisor
 from disaggpool.sidecar.tokens import PromptCounter
 
 __all__ = ["RunningSidecar", "run_forever", "start_sidecar"]
@@ -40,12 +44,12 @@ def _split(address: str) -> tuple[str, int]:
 class RunningSidecar:
     service: RoutingService
     collectors: Collectors
+    supervisor: Supervisor
     http_port: int
     grpc_port: int
     _runner: web.AppRunner
     _grpc: grpc.aio.Server
     _session: aiohttp.ClientSession
-    _health_task: asyncio.Task[None]
     _health: health.aio.HealthServicer
     pool_writer: PoolWriter | None = None
 
@@ -72,27 +76,31 @@ class RunningSidecar:
         their upstream legs need the session and the collectors' view of the pods)."""
         await self._grpc.stop(grace=1.0)  # Route and Report answer in microseconds
         await self._runner.cleanup()
-        self._health_task.cancel()
+        await self.collectors.stop()
+        await self.supervisor.stop()
         if self.pool_writer is not None:
             await self.pool_writer.stop()
-        await self.collectors.stop()
         await self._session.close()
 
 
 async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidecar:
     service = RoutingService(config, seed=seed)
+    supervisor = Supervisor(service.metrics.loop_errors, service.metrics.loop_restarts)
     # Pooled connections shorter-lived than the pods' own keep-alive (config.py says why).
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive_s)
-    timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s, sock_connect=5.0)
+    t = config.upstream_timeouts  # the legs set their own; this bounds every other pod call
+    timeout = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s)
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-    collectors = Collectors(service, session)
+    collectors = Collectors(service, session, supervisor)
     collectors.start()
     if config.static_members:
         await collectors.scrape_once()  # know the pods' health before the first request
-    counter = PromptCounter(config.tokenizer, service.state, config.model, session)
+    counter = PromptCounter(
+        config.tokenizer, service.state, config.model, session, service.upstream_headers
+    )
 
     runner = web.AppRunner(
-        FrontDoor(service, session, counter).app(),
+        FrontDoor(service, session, counter, supervisor).app(),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=config.shutdown_timeout_s,
@@ -102,22 +110,29 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     http_port = int(runner.addresses[0][1])
+    if not config.auth.api_keys_file and not is_loopback(host):
+        log.warning(
+            "the front door on %s takes requests without an API key (auth.api_keys_file): "
+            "anything that reaches the port can use the pool",
+            config.http_listen,
+        )
 
-    grpc_server = grpc.aio.server()
+    grpc_server = _grpc_server(config, service)
     health_servicer = add_router(grpc_server, service, counter)
     ghost, gport = _split(config.grpc_listen)
-    grpc_port = grpc_server.add_insecure_port(f"{ghost}:{gport}")
+    address = f"{ghost}:{gport}" if ":" not in ghost else f"[{ghost}]:{gport}"
+    if config.grpc.tls is not None:
+        grpc_port = grpc_server.add_secure_port(address, server_credentials(config.grpc.tls))
+    else:
+        grpc_port = grpc_server.add_insecure_port(address)
     await grpc_server.start()
 
-    async def keep_health() -> None:
-        while True:
-            await _publish_health(health_servicer, service)
-            await asyncio.sleep(config.scrape_interval_s)
-
-    health_task = asyncio.get_running_loop().create_task(keep_health())
+    supervisor.periodic(
+        "grpc_health", lambda: _publish_health(health_servicer, service), config.scrape_interval_s
+    )
     pool_writer = _pool_writer(config, service, session)
     if pool_writer is not None:
-        pool_writer.start()
+        supervisor.periodic("pool_writer", pool_writer.step, pool_writer.period_s)
     log.info(
         "sidecar up on %s: policy %s, HTTP front door on :%d, gRPC on :%d",
         type(asyncio.get_running_loop()).__module__.split(".")[0],  # asyncio or uvloop
@@ -128,15 +143,25 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     return RunningSidecar(
         service,
         collectors,
+        supervisor,
         http_port,
         grpc_port,
         runner,
         grpc_server,
         session,
-        health_task,
         health_servicer,
         pool_writer,
     )
+
+
+def _grpc_server(config: SidecarConfig, service: RoutingService) -> grpc.aio.Server:
+    """The gRPC server, checking `grpc.token_file` on every router call when it is set."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if config.grpc.token_file:
+        tokens = KeyFile(config.grpc.token_file)
+        refused = service.metrics.auth_failures.labels("grpc").inc
+        interceptors.append(TokenInterceptor(tokens, f"/{SERVICE_NAME}/", refused))
+    return grpc.aio.server(interceptors=interceptors)
 
 
 async def _publish_health(servicer: health.aio.HealthServicer, service: RoutingService) -> None:

@@ -8,6 +8,7 @@ downstream re-validates. Read by `sidecar.app` (the process) and by `demo` (whic
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
 from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml
+from disaggpool.kubeclient import parse_selector
 from disaggpool.pdwire import POD_CONNECTION_REUSE_S
 
 __all__ = [
@@ -40,6 +42,9 @@ __all__ = [
     "parse_config",
     "parse_members",
 ]
+
+
+DEFAULT_GRPC_LISTEN = "127.0.0.1:50051"  # loopback unless gRPC credentials are configured
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,22 +91,72 @@ class AutoscalingConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class DriftConfig:
     """Per-pod prediction error (`core.drift`) and the DisaggPool it is written on, where the
-    operator re-probes pods above `calibration.maxPredictionError` (none: metrics only)."""
+    operator re-probes pods above `calibration.maxPredictionError` (none: metrics only).
+    `max_error` (> 0; 0 is off): a pod whose error exceeds it is scored as a pod without a trusted
+    profile until a new profile is installed (`sidecar.profile_trust`)."""
 
     window: int = 64
     min_samples: int = 16
     period_s: float = 15.0
     pool_namespace: str = ""
     pool_name: str = ""
+    max_error: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KubernetesSource:
-    """Objects of one namespace chosen by labels (pods for membership, ConfigMaps for profiles)."""
+    """Objects of one namespace chosen by labels (pods for membership, ConfigMaps for profiles).
+
+    `owner` (profiles only): the DisaggPool whose profiles count; a ConfigMap without an owner
+    reference to it is ignored, so a stray ConfigMap with the right labels cannot steer routing."""
 
     namespace: str
     selector: str
     port: int = 8000
+    owner: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    """Per-leg limits (CONFIG.md, "The front door"): connecting, the answer's first byte (the
+    prefill leg's whole answer; a streamed decode leg's headers), the longest gap between two
+    chunks of a stream, and the whole leg."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 300.0
+    idle_s: float = 60.0
+    total_s: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """The front door's API keys and the key the router sends to pods (CONFIG.md, "Security")."""
+
+    api_keys_file: str = ""  # clients: `Authorization: Bearer <key>`, one key per line
+    upstream_api_key_file: str = ""  # pods started with vLLM's --api-key
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GrpcTLS:
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""  # set: clients must present a certificate it signed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GrpcConfig:
+    """Who may call the gRPC router, and how much of the pool its callers may book."""
+
+    token_file: str = ""  # every call carries `authorization: Bearer <token>`
+    tls: GrpcTLS | None = None
+    allow_unauthenticated: bool = False  # listen beyond loopback with neither token nor TLS
+    lease_s: float = 60.0  # a Route not Reported on within it is forgotten (each Report renews)
+    max_inflight: int = 256  # gRPC bookings, apart from the front door's max_inflight
+    max_inflight_per_client: int = 64  # per peer address
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.token_file) or (self.tls is not None and bool(self.tls.client_ca_file))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,15 +178,22 @@ class SidecarConfig:
     policy: str
     model: str
     slo_classes: tuple[SLOClass, ...]  # the default class first
-    grpc_listen: str = "0.0.0.0:50051"
+    grpc_listen: str = DEFAULT_GRPC_LISTEN
     http_listen: str = "0.0.0.0:8000"
     predictor: str = "online"
     scrape_interval_s: float = 1.0
     scrape_timeout_s: float = 0.0  # 0: max(2 s, 4 x interval), at most 10 s
     max_inflight: int = 512
     prefill_attempts: int = 2
+    decode_attempts: int = 2
     inflight_ttl_s: float = 600.0
-    upstream_timeout_s: float = 600.0
+    upstream_timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_model_len: int = 0  # 0: each pod's own, read from its /v1/models
+    forward_client_priority: bool = False
+    debug_errors: bool = False
+    auth: AuthConfig = AuthConfig()
+    grpc: GrpcConfig = GrpcConfig()
     # An idle pooled connection to a pod is reused only this long: keep it below the pods'
     # keep-alive (`pdwire.POD_CONNECTION_REUSE_S` says why).
     upstream_keepalive_s: float = POD_CONNECTION_REUSE_S
@@ -179,8 +241,16 @@ _TOP = {
     "scrape_timeout_s",
     "max_inflight",
     "prefill_attempts",
+    "decode_attempts",
     "inflight_ttl_s",
     "upstream_timeout_s",
+    "upstream_timeouts",
+    "max_body_bytes",
+    "max_model_len",
+    "forward_client_priority",
+    "debug_errors",
+    "auth",
+    "grpc",
     "upstream_keepalive_s",
     "shutdown_delay_s",
     "shutdown_timeout_s",
@@ -238,7 +308,6 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         "scrape_interval_s",
         "scrape_timeout_s",
         "inflight_ttl_s",
-        "upstream_timeout_s",
         "upstream_keepalive_s",
     )
     for key in (*positive, "shutdown_timeout_s"):
@@ -246,10 +315,23 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
             kwargs[key] = rd.number(top[key], key, positive=True)
     if "shutdown_delay_s" in top:
         kwargs["shutdown_delay_s"] = rd.number(top["shutdown_delay_s"], "shutdown_delay_s")
-    for key in ("max_inflight", "prefill_attempts", "heterogeneity_window"):
+    for key in ("max_inflight", "prefill_attempts", "decode_attempts", "heterogeneity_window"):
         if key in top:
             least = 2 if key == "heterogeneity_window" else 1
             kwargs[key] = rd.integer(top[key], key, minimum=least)
+    if "max_body_bytes" in top:
+        kwargs["max_body_bytes"] = rd.integer(top["max_body_bytes"], "max_body_bytes", minimum=1024)
+    if "max_model_len" in top:
+        kwargs["max_model_len"] = rd.integer(top["max_model_len"], "max_model_len", minimum=0)
+    for key in ("forward_client_priority", "debug_errors"):
+        if key in top:
+            kwargs[key] = rd.boolean(top[key], key)
+    kwargs["upstream_timeouts"] = _timeouts(rd, top)
+    if "auth" in top:
+        kwargs["auth"] = _auth(rd, top["auth"], base)
+    if "grpc" in top:
+        kwargs["grpc"] = _grpc(rd, top["grpc"], base)
+    _check_exposure(rd, kwargs)
     if "tokenizer" in top:
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
     kwargs.update(_pool(rd, top.get("pool"), base))
@@ -331,14 +413,17 @@ def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
 
 def _drift(rd: FieldReader, raw: Any) -> DriftConfig:
     d = rd.mapping(raw or {}, "drift")
-    rd.known(d, "drift", {"window", "min_samples", "period_s", "pool"})
+    rd.known(d, "drift", {"window", "min_samples", "period_s", "pool", "max_error"})
     window = rd.integer(d.get("window", 64), "drift.window", minimum=1)
     least = rd.integer(d.get("min_samples", 16), "drift.min_samples", minimum=1)
     if least > window:
         raise rd.fail("drift.min_samples", f"must be <= drift.window ({window}), got {least}")
     period = rd.number(d.get("period_s", 15.0), "drift.period_s", positive=True)
     ns, name = _pool_ref(rd, d["pool"], "drift.pool") if "pool" in d else ("", "")
-    return DriftConfig(window, least, period, ns, name)
+    max_error = rd.number(d.get("max_error", 0.0), "drift.max_error")
+    if not max_error < float("inf"):  # NaN would never be exceeded, infinity never either
+        raise rd.fail("drift.max_error", f"must be a finite number >= 0, got {max_error!r}")
+    return DriftConfig(window, least, period, ns, name, max_error)
 
 
 def _pool_ref(rd: FieldReader, raw: Any, path: str) -> tuple[str, str]:
@@ -371,6 +456,98 @@ def _address(rd: FieldReader, value: Any, path: str) -> str:
     return text
 
 
+def _timeouts(rd: FieldReader, top: Mapping[str, Any]) -> UpstreamTimeouts:
+    """`upstream_timeouts`, with `upstream_timeout_s` as the older name of its `total_s`."""
+    t = rd.mapping(top.get("upstream_timeouts", {}), "upstream_timeouts")
+    keys = ("connect_s", "first_byte_s", "idle_s", "total_s")
+    rd.known(t, "upstream_timeouts", set(keys))
+    if "upstream_timeout_s" in top and "total_s" in t:
+        raise rd.fail("upstream_timeout_s", "give upstream_timeouts.total_s alone")
+    values = {k: rd.number(t[k], f"upstream_timeouts.{k}", positive=True) for k in keys if k in t}
+    if "upstream_timeout_s" in top:
+        values["total_s"] = rd.number(
+            top["upstream_timeout_s"], "upstream_timeout_s", positive=True
+        )
+    out = UpstreamTimeouts(**values)
+    for key in ("first_byte_s", "idle_s"):
+        if getattr(out, key) > out.total_s:
+            raise rd.fail(f"upstream_timeouts.{key}", f"must be at most total_s ({out.total_s})")
+    return out
+
+
+def _auth(rd: FieldReader, raw: Any, base: Path | None) -> AuthConfig:
+    a = rd.mapping(raw, "auth")
+    rd.known(a, "auth", {"api_keys_file", "upstream_api_key_file"})
+    files = {
+        key: _path(rd.string(a[key], f"auth.{key}"), base)
+        for key in ("api_keys_file", "upstream_api_key_file")
+        if key in a
+    }
+    return AuthConfig(**files)
+
+
+def _grpc(rd: FieldReader, raw: Any, base: Path | None) -> GrpcConfig:
+    g = rd.mapping(raw, "grpc")
+    keys = {"token_file", "tls", "allow_unauthenticated", "lease_s", "max_inflight"}
+    rd.known(g, "grpc", keys | {"max_inflight_per_client"})
+    tls = None
+    if "tls" in g:
+        t = rd.mapping(g["tls"], "grpc.tls")
+        rd.known(t, "grpc.tls", {"cert_file", "key_file", "client_ca_file"})
+        tls = GrpcTLS(
+            _path(rd.string(t.get("cert_file"), "grpc.tls.cert_file"), base),
+            _path(rd.string(t.get("key_file"), "grpc.tls.key_file"), base),
+            _path(rd.string(t["client_ca_file"], "grpc.tls.client_ca_file"), base)
+            if "client_ca_file" in t
+            else "",
+        )
+    total = rd.integer(g.get("max_inflight", 256), "grpc.max_inflight", minimum=1)
+    per_client = rd.integer(
+        g.get("max_inflight_per_client", min(64, total)), "grpc.max_inflight_per_client", minimum=1
+    )
+    if per_client > total:
+        raise rd.fail(
+            "grpc.max_inflight_per_client", f"must be at most grpc.max_inflight ({total})"
+        )
+    return GrpcConfig(
+        token_file=_path(rd.string(g["token_file"], "grpc.token_file"), base)
+        if "token_file" in g
+        else "",
+        tls=tls,
+        allow_unauthenticated=rd.boolean(
+            g.get("allow_unauthenticated", False), "grpc.allow_unauthenticated"
+        ),
+        lease_s=rd.number(g.get("lease_s", 60.0), "grpc.lease_s", positive=True),
+        max_inflight=total,
+        max_inflight_per_client=per_client,
+    )
+
+
+def _check_exposure(rd: FieldReader, kwargs: Mapping[str, Any]) -> None:
+    """The gRPC router books pods and reports outcomes: anyone who reaches it can fill the pool
+    or fake goodput. Beyond loopback it needs a token or client certificates, or an explicit
+    `grpc.allow_unauthenticated` (for a network that is itself the boundary)."""
+    grpc: GrpcConfig = kwargs.get("grpc", GrpcConfig())
+    address = kwargs.get("grpc_listen", DEFAULT_GRPC_LISTEN)
+    host = address.rpartition(":")[0].strip("[]")
+    if not is_loopback(host) and not grpc.authenticated and not grpc.allow_unauthenticated:
+        raise rd.fail(
+            "listen.grpc",
+            f"{address} is reachable beyond this machine: set grpc.token_file or grpc.tls with "
+            "client_ca_file, or grpc.allow_unauthenticated: true",
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host answers only this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _tokenizer(rd: FieldReader, raw: Any, base: Path | None) -> TokenizerConfig:
     t = rd.mapping(raw, "tokenizer")
     rd.known(t, "tokenizer", {"kind", "path"})
@@ -390,11 +567,19 @@ def _path(text: str, base: Path | None) -> str:
 
 def _kubernetes(rd: FieldReader, raw: Any, path: str, *, port: bool) -> KubernetesSource:
     k = rd.mapping(raw, path)
-    rd.known(k, path, {"namespace", "selector", "port"} if port else {"namespace", "selector"})
+    rd.known(
+        k, path, {"namespace", "selector", "port"} if port else {"namespace", "selector", "owner"}
+    )
+    selector = rd.string(k.get("selector"), f"{path}.selector")
+    try:
+        parse_selector(selector)
+    except ValueError as exc:
+        raise rd.fail(f"{path}.selector", str(exc)) from None
     return KubernetesSource(
         namespace=rd.string(k.get("namespace"), f"{path}.namespace"),
-        selector=rd.string(k.get("selector"), f"{path}.selector"),
+        selector=selector,
         port=rd.integer(k.get("port", 8000), f"{path}.port") if port else 8000,
+        owner=rd.string(k["owner"], f"{path}.owner") if "owner" in k else "",
     )
 
 

@@ -7,6 +7,10 @@ service would not accept), converts it, calls `RoutingService`, converts back. S
 to RESOURCE_EXHAUSTED (overload), UNAVAILABLE (no healthy pod, tokenizer unreachable) and
 ALREADY_EXISTS (a request id already in flight). The standard `grpc.health.v1` service reports
 SERVING while both pools have a healthy pod; server reflection lets `grpcurl` list the API.
+
+A `Route` books the request under its caller (the peer address, `auth.peer_host`): gRPC bookings
+have limits and a lease of their own (`RoutingService`), which `Report`s renew. Credentials (a
+token or client certificates) are checked before any handler runs (`sidecar.auth`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from disaggpool.router.v1 import router_pb2 as pb
 from disaggpool.router.v1 import router_pb2_grpc as pb_grpc
+from disaggpool.sidecar.auth import peer_host
 from disaggpool.sidecar.service import (
     BadRequest,
     Duplicate,
@@ -108,6 +113,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 exclude_prefill=tuple(request.exclude_prefill),
                 token_ids=prompt.ids,
                 bind_late=request.bind_decode_late,
+                client=peer_host(context.peer()),
             )
         except ServiceError as exc:
             await self._abort(context, exc)

@@ -16,12 +16,14 @@ connects, subscribes to `kv_events.topic`, and applies every batch to the pod's
   the approximate index instead, with a warning, until batches arrive again.
 
 Members are reconciled every `RECONCILE_S`: a pod that joins is subscribed, one that leaves or
-changes endpoint is unsubscribed.
+changes endpoint is unsubscribed. The reconciler and each subscriber run under the sidecar's
+`Supervisor`: a subscriber that fails (a bad endpoint, a socket error, a bug on a message) is
+counted and started again after a backoff, with a fresh sequence (so its index starts over).
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 
 import zmq
@@ -37,6 +39,7 @@ from disaggpool.formats.kv_events import (
 )
 from disaggpool.sidecar.config import KVEventsSource
 from disaggpool.sidecar.service import RoutingService
+from disaggpool.sidecar.supervise import Supervisor
 
 __all__ = ["KVEventSubscribers"]
 
@@ -48,45 +51,39 @@ RECONCILE_S = 0.5
 class KVEventSubscribers:
     """The subscriber tasks of one sidecar (module docstring)."""
 
-    def __init__(self, service: RoutingService, source: KVEventsSource) -> None:
+    def __init__(
+        self, service: RoutingService, source: KVEventsSource, supervisor: Supervisor
+    ) -> None:
         self.service = service
         self.source = source
+        self.supervisor = supervisor
         self._ctx = zmq.asyncio.Context()
-        self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}  # pod -> (endpoint, task)
-        self._loop: asyncio.Task[None] | None = None
+        self._endpoints: dict[str, str] = {}  # pod -> the endpoint its subscriber listens to
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop().create_task(self._reconcile_loop())
+        self.supervisor.periodic("kv_events_reconcile", self.reconcile, RECONCILE_S)
 
     async def stop(self) -> None:
-        tasks = [t for _, t in self._tasks.values()]
-        if self._loop is not None:
-            tasks.append(self._loop)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        for name in self.supervisor.names("kv_events"):
+            await self.supervisor.cancel(name)
+        self._endpoints.clear()
         self._ctx.term()
 
-    async def _reconcile_loop(self) -> None:
-        while True:
-            self.reconcile()
-            await asyncio.sleep(RECONCILE_S)
-
-    def reconcile(self) -> None:
+    async def reconcile(self) -> None:
         wanted = {
             i.name: i.member.kv_events
             for i in self.service.state.members("prefill")
             if i.member.kv_events
         }
-        for pod, (endpoint, task) in list(self._tasks.items()):
+        for pod, endpoint in list(self._endpoints.items()):
             if wanted.get(pod) != endpoint:
-                task.cancel()
-                del self._tasks[pod]
+                del self._endpoints[pod]
+                await self.supervisor.cancel(f"kv_events/{pod}")
         for pod, endpoint in wanted.items():
-            if pod not in self._tasks:
-                task = asyncio.get_running_loop().create_task(self._listen(pod, endpoint))
-                self._tasks[pod] = (endpoint, task)
+            if pod not in self._endpoints:
+                self._endpoints[pod] = endpoint
+                listen = functools.partial(self._listen, pod, endpoint)
+                self.supervisor.task(f"kv_events/{pod}", listen)
 
     async def _listen(self, pod: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)

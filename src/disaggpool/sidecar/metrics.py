@@ -30,10 +30,14 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends);
   `disaggpool_pod_prediction_error{pod}` (the pod's drift error, `core.drift`: median relative
   error of its recent TTFT or TPOT predictions, the larger) and
-  `disaggpool_pool_annotation_failures_total` (failed writes on the pool, `sidecar.pool_writer`);
+  `disaggpool_pool_status_failures_total` (failed writes of `status.router` on the pool,
+  `sidecar.pool_writer`);
 * `disaggpool_inflight_requests`; per pod: `disaggpool_pod_healthy`,
   `disaggpool_pod_inflight_requests`, `disaggpool_profile_trusted`,
-  `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1);
+  `disaggpool_profile_age_seconds`, `disaggpool_profile_info{pod,profile,quality}` (value 1),
+  `disaggpool_profile_rejected{pod}` (1 while the profile written for it is refused: it does not
+  parse or is not physics) and `disaggpool_profile_distrusted{pod}` (1 while its drift error has
+  exceeded `drift.max_error`), both kept by `sidecar.profile_trust`;
 * with `prefix_index` on: `disaggpool_prefix_lookup_tokens_total{pod}` (prompt tokens routed
   to the prefill pod with their token ids) and `disaggpool_prefix_hit_tokens_total{pod}` (of
   those, what the router's index expected cached there; their ratio is the hit share the router
@@ -44,7 +48,13 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   `disaggpool_kv_events_batches_total{pod}`, `disaggpool_kv_events_malformed_total{pod}`
   (dropped) and `disaggpool_kv_events_gaps_total{pod}` (lost batches: its index started over);
 * `disaggpool_frontdoor_requests_total{endpoint,code}`,
-  `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`.
+  `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`,
+  `disaggpool_decode_retries_total{path}` (``kv``: the same KV on another decode pod, its first
+  one never got the request; ``local``: another decode pod prefilling the prompt itself);
+* the process: `disaggpool_loop_errors_total{loop}` and `disaggpool_loop_restarts_total{loop}`
+  (`sidecar.supervise`), `disaggpool_scrape_failures_total{pod,reason}` (``refused``,
+  ``timeout``, ``http``, ``malformed``), `disaggpool_auth_failures_total{port}` (``http``,
+  ``grpc``).
 
 Per-pod gauges are read from the live `PoolState` at scrape time by a collector, so pods that
 leave the pool leave the page too. One registry per sidecar (tests run several in a process).
@@ -240,9 +250,19 @@ class SidecarMetrics:
             "median relative error of the pod's recent predictions (TTFT or TPOT, the larger)",
             ["pod"], registry=r,
         )  # fmt: skip
-        self.pool_annotation_failures = Counter(
-            "disaggpool_pool_annotation_failures",
-            "writes of the router's annotations on its pool that failed", registry=r,
+        self.profile_rejected = Gauge(
+            "disaggpool_profile_rejected",
+            "1 while the pod's profile is refused (it does not parse or is not physics)",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.profile_distrusted = Gauge(
+            "disaggpool_profile_distrusted",
+            "1 while the pod's profile is distrusted (its drift error exceeded drift.max_error)",
+            ["pod"], registry=r,
+        )  # fmt: skip
+        self.pool_status_failures = Counter(
+            "disaggpool_pool_status_failures",
+            "writes of the router's status of its pool that failed", registry=r,
         )  # fmt: skip
         self.frontdoor = Counter(
             "disaggpool_frontdoor_requests", "front-door HTTP requests by endpoint and status",
@@ -255,6 +275,26 @@ class SidecarMetrics:
         self.prefill_retries = Counter(
             "disaggpool_prefill_retries", "prefill legs retried on another pod", registry=r
         )
+        self.decode_retries = Counter(
+            "disaggpool_decode_retries", "decode legs retried on another pod, by how",
+            ["path"], registry=r,
+        )  # fmt: skip
+        self.loop_errors = Counter(
+            "disaggpool_loop_errors", "failed iterations of a background loop, by loop",
+            ["loop"], registry=r,
+        )  # fmt: skip
+        self.loop_restarts = Counter(
+            "disaggpool_loop_restarts", "long-running background tasks started again, by loop",
+            ["loop"], registry=r,
+        )  # fmt: skip
+        self.scrape_failures = Counter(
+            "disaggpool_scrape_failures", "failed scrapes of a pod's /metrics, by reason",
+            ["pod", "reason"], registry=r,
+        )  # fmt: skip
+        self.auth_failures = Counter(
+            "disaggpool_auth_failures", "calls refused for missing or wrong credentials, by port",
+            ["port"], registry=r,
+        )  # fmt: skip
         r.register(_PodCollector(state, now, kv_events_stale_s))
         if demand is not None:
             r.register(_DemandCollector(demand))

@@ -11,6 +11,8 @@ fraction despite the name), `vllm:cache_config_info` (labels `num_gpu_blocks`, `
 
 from __future__ import annotations
 
+import math
+
 from disaggpool import promtext
 from disaggpool.sidecar.state import Gauges
 
@@ -22,10 +24,12 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 _NAMES = (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, CACHE_CONFIG)
+MAX_COUNT = 2.0**31  # more requests, or preemptions, than any engine has seen
 
 
 class MetricsFormatError(ValueError):
-    """The text is not a vLLM metrics page (a required series is missing or malformed)."""
+    """The text is not a vLLM metrics page (a required series is missing or malformed, or a
+    value is NaN, infinite or negative)."""
 
 
 def parse_gauges(text: str) -> Gauges:
@@ -41,16 +45,28 @@ def parse_gauges(text: str) -> Gauges:
     for s in samples:
         if s.name == CACHE_CONFIG:
             try:
-                capacity += int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+                blocks, size = int(s.labels["num_gpu_blocks"]), int(s.labels["block_size"])
+                if blocks < 0 or size < 0:
+                    raise ValueError("negative")
+                capacity += blocks * size
             except (KeyError, ValueError):
                 raise MetricsFormatError(
                     f"{CACHE_CONFIG} lacks integer num_gpu_blocks/block_size labels"
                 ) from None
+    for s in samples:
+        # NaN, infinities, negative or absurd counts are legal exposition but no state of a pod:
+        # one such value makes the whole page unusable (it would poison every sum the router
+        # makes, and a count of 1e300 overflows the cost model's arithmetic).
+        if not math.isfinite(s.value) or not 0 <= s.value <= MAX_COUNT:
+            raise MetricsFormatError(f"{s.name} is {s.value}: not a count or fraction")
     usage = [s.value for s in samples if s.name == KV_USAGE]
+    kv_usage = sum(usage) / len(usage) if usage else 0.0
+    if kv_usage > 1.01:  # a 0-1 fraction; a hair above 1 is float noise, more is not vLLM's
+        raise MetricsFormatError(f"{KV_USAGE} is {kv_usage}: not a 0-1 fraction")
     return Gauges(
         running=int(promtext.total(samples, RUNNING)),
         waiting=int(promtext.total(samples, WAITING)),
-        kv_usage=sum(usage) / len(usage) if usage else 0.0,
+        kv_usage=min(1.0, kv_usage),
         kv_capacity_tokens=capacity,
         preemptions=promtext.total(samples, PREEMPTIONS),
     )

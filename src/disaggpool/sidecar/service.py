@@ -16,6 +16,12 @@ With `prefix_index` on, a request that comes with its token ids (the front door 
 policy is told what each prefill pod holds of it, and the chosen pod is booked as holding it and
 its ledger entry as that much less work, exactly as the simulator's router does (`sim.router`).
 
+Who booked a request matters for admission. The front door's requests count against
+`max_inflight` and live until the front door reports them (at worst `inflight_ttl_s`). A gRPC
+client's `Route` (`client` = its peer) counts against `grpc.max_inflight` and
+`grpc.max_inflight_per_client` instead, and holds a lease of `grpc.lease_s` that each report
+renews: bookings nobody reports on cannot fill the pool for the front door, nor for long.
+
 Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALID_ARGUMENT /
 400), `Overloaded` and its `Shed` (RESOURCE_EXHAUSTED / 429), `NoCapacity` (UNAVAILABLE / 503),
 `Duplicate` (ALREADY_EXISTS / 409).
@@ -23,6 +29,7 @@ Errors are typed so each adapter maps them to its protocol: `BadRequest` (INVALI
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import random
@@ -35,13 +42,14 @@ from disaggpool.core.drift import DriftTracker
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
 from disaggpool.core.policies.base import NoCapacityError, Policy
-from disaggpool.core.policies.calibrated import median_measured_transfer
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
-from disaggpool.core.profile import CalibrationProfile, KVTransferModel
+from disaggpool.core.profile import CalibrationProfile
+from disaggpool.sidecar.auth import KeyFile
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
 from disaggpool.sidecar.prefix import PrefixLookup
+from disaggpool.sidecar.profile_trust import ProfileTrust
 from disaggpool.sidecar.state import PoolState
 
 __all__ = [
@@ -144,11 +152,13 @@ class RoutingService:
         self.spread = SlidingSpread(config.heterogeneity_window)
         drift = config.drift
         self.drift = DriftTracker(drift.window, drift.min_samples) if drift else DriftTracker()
-        self._kept_logged: dict[str, str] = {}  # pod -> fitted_at of an untrusted profile refused
-        self._untrusted_logged: set[str] = set()
-        # decode pod -> the measured transfer standing in for its unmeasured one (None: defaults)
-        self._stand_ins_logged: dict[str, KVTransferModel | None] = {}
+        # Which profile each pod is scored with, refused and distrusted ones, and the log lines.
+        max_error = drift.max_error if drift else 0.0
+        self.trust = ProfileTrust(self.state, self.drift, self.metrics, clock, max_error=max_error)
         self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
+        self._leases: dict[str, _Lease] = {}  # gRPC bookings: request id -> client, expiry
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self._upstream_key = KeyFile(config.auth.upstream_api_key_file)
         self.prefix = PrefixLookup(self.state, config.kv_events, self.metrics, clock)
 
     # ------------------------------------------------------------------ deciding
@@ -162,9 +172,11 @@ class RoutingService:
         exclude_prefill: Collection[str] = (),
         token_ids: Sequence[int] | None = None,
         bind_late: bool = False,
+        client: str | None = None,
     ) -> Routed:
         """Route one request. `bind_late`: the caller will call `bind_decode` when the prefill
-        leg answers, so the decode pod may be chosen then (when `decode_binding` is `late`)."""
+        leg answers, so the decode pod may be chosen then (when `decode_binding` is `late`).
+        `client`: the gRPC peer that books it (None: the front door; module docstring)."""
         if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             raise BadRequest("must be 1-128 printable characters", "request_id")
         if prompt_tokens < 1:
@@ -175,9 +187,7 @@ class RoutingService:
             raise BadRequest(f"unknown SLO class {slo_class!r}; valid: {names}", "slo_class")
         if self.state.is_inflight(request_id):
             raise Duplicate(f"request id {request_id!r} is already in flight", "request_id")
-        if self.state.inflight >= self.config.max_inflight:
-            self.metrics.rejected.labels("overload").inc()
-            raise Overloaded(f"{self.state.inflight} requests in flight (max_inflight)")
+        self._admit(client)
         now = self.clock()
         self.demand.arrived(now)
         pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
@@ -241,7 +251,56 @@ class RoutingService:
         )
         if late:
             self._unbound[request_id] = routed
+        if client is not None:
+            self._leases[request_id] = _Lease(client, now + self.config.grpc.lease_s)
+            self._per_client[client] += 1
         return routed
+
+    def _admit(self, client: str | None) -> None:
+        """Overloaded when the caller's share of the pool is full (module docstring)."""
+        if client is None:
+            ours = self.state.inflight - len(self._leases)
+            if ours >= self.config.max_inflight:
+                self.metrics.rejected.labels("overload").inc()
+                raise Overloaded(f"{ours} requests in flight (max_inflight)")
+            return
+        g = self.config.grpc
+        if len(self._leases) >= g.max_inflight:
+            self.metrics.rejected.labels("overload").inc()
+            raise Overloaded(f"{len(self._leases)} gRPC bookings in flight (grpc.max_inflight)")
+        if self._per_client[client] >= g.max_inflight_per_client:
+            self.metrics.rejected.labels("overload").inc()
+            raise Overloaded(
+                f"{self._per_client[client]} bookings of this client in flight "
+                "(grpc.max_inflight_per_client)"
+            )
+
+    def _renew(self, request_id: str) -> None:
+        lease = self._leases.get(request_id)
+        if lease is not None:
+            lease.until = self.clock() + self.config.grpc.lease_s
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may ask for: the config's `max_model_len`, else
+        the smallest any pod of the pool reported (0: not known yet, no check)."""
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        known = [
+            i.max_model_len
+            for i in self.state.instances.values()
+            if i.max_model_len and not i.removed
+        ]
+        return min(known, default=0)
+
+    @property
+    def expiry_period_s(self) -> float:
+        """How often `expire` should run: often enough to honour the shortest lifetime."""
+        return max(0.5, min(30.0, self.config.inflight_ttl_s / 4, self.config.grpc.lease_s / 4))
+
+    def upstream_headers(self) -> dict[str, str]:
+        """What every request to a pod carries: vLLM's API key when one is configured."""
+        key = self._upstream_key.keys()
+        return {"Authorization": f"Bearer {key[0]}"} if key else {}
 
     def bind_decode(self, request_id: str) -> Routed:
         """Late binding: the prefill leg of `request_id` answered; choose its decode pod now."""
@@ -251,6 +310,56 @@ class RoutingService:
             raise BadRequest("is not a routed request awaiting its decode pod", "request_id")
         assert routed.features is not None and routed.prefill is not None
         self.state.prefilled(request_id)
+        self._renew(request_id)
+        return self._bind(routed, entry.routed_at)
+
+    def retry_decode(self, routed: Routed, failed: str, *, local: bool) -> Routed:
+        """The decode leg of `routed` failed on `failed` before its first token: book it on
+        another decode pod. `local` (or a request on the local path already): that pod prefills
+        the prompt itself, chosen as the policy routes a new request; else it pulls the same KV
+        (the failed pod never asked for it), chosen as late binding chooses."""
+        rec = self._forget(routed.request_id)
+        if rec is None or routed.features is None:
+            raise BadRequest("is not a routed request with a decode leg", "request_id")
+        local = local or routed.prefill is None
+        now = self.clock()
+        pool = self._pool(now, (), exclude_decode=(failed,))
+        try:
+            if local:
+                decision = self.policy.route(routed.features, pool, self.rng)
+            else:
+                assert routed.prefill is not None
+                decision = self.policy.route_decode(
+                    routed.features, pool, self.rng, routed.prefill.name, now - rec.routed_at
+                )
+        except NoCapacityError as exc:
+            self.metrics.rejected.labels("no_capacity").inc()
+            raise NoCapacity(str(exc)) from None
+        d = self.state.instances[decision.decode]
+        if local:
+            self.state.routed(
+                dataclasses.replace(rec, prefill=None, decode=d.name, cached_tokens=0)
+            )
+        else:
+            self.state.routed(dataclasses.replace(rec, decode=None, prefilled=False))
+            self.state.prefilled(routed.request_id)
+            self.state.bind_decode(routed.request_id, d.name)
+        self.metrics.decisions.labels(decision.policy, "decode", d.name).inc()
+        merged = dataclasses.replace(
+            routed.decision,
+            prefill=None if local else routed.decision.prefill,
+            decode=d.name,
+            predicted_ttft_s=decision.predicted_ttft_s,
+            predicted_tpot_s=decision.predicted_tpot_s,
+            slo_feasible=decision.slo_feasible,
+        )
+        prefill = None if local else routed.prefill
+        return dataclasses.replace(routed, prefill=prefill, decode=d.member, decision=merged)
+
+    def _bind(self, routed: Routed, routed_at: float) -> Routed:
+        """Choose and book the decode pod of a request whose prefill leg answered."""
+        assert routed.features is not None and routed.prefill is not None
+        request_id = routed.request_id
         now = self.clock()
         started = time.perf_counter()
         try:
@@ -259,7 +368,7 @@ class RoutingService:
                 self.state.snapshot(now),
                 self.rng,
                 routed.prefill.name,
-                now - entry.routed_at,
+                now - routed_at,
             )
         except NoCapacityError as exc:
             self.metrics.rejected.labels("no_capacity").inc()
@@ -290,15 +399,22 @@ class RoutingService:
             bind_late=routed.decode is None,
         )
 
-    def _pool(self, now: float, exclude_prefill: Collection[str]) -> PoolSnapshot:
+    def _pool(
+        self, now: float, exclude_prefill: Collection[str], exclude_decode: Collection[str] = ()
+    ) -> PoolSnapshot:
+        """The snapshot, with the pods a retry must avoid marked unhealthy."""
         pool = self.state.snapshot(now)
-        if not exclude_prefill:
+        if not exclude_prefill and not exclude_decode:
             return pool
         prefill = [
             dataclasses.replace(i, healthy=False) if i.name in exclude_prefill else i
             for i in pool.prefill
         ]
-        return dataclasses.replace(pool, prefill=prefill)
+        decode = [
+            dataclasses.replace(i, healthy=False) if i.name in exclude_decode else i
+            for i in pool.decode
+        ]
+        return dataclasses.replace(pool, prefill=prefill, decode=decode)
 
     def _account(self, decision: RouteDecision, *, bound: bool = True) -> None:
         m = self.metrics
@@ -312,24 +428,16 @@ class RoutingService:
             return
         m.fallbacks.labels(decision.fallback).inc()
         for name in (decision.prefill, decision.decode):
-            if name is None:
-                continue
-            inst = self.state.instances[name]
-            if (inst.profile is None or not inst.profile.trusted) and (
-                name not in self._untrusted_logged
-            ):
-                self._untrusted_logged.add(name)
-                log.warning(
-                    "pod %s has no trusted calibration profile (%s): routing with %s",
-                    name,
-                    "none" if inst.profile is None else inst.profile.quality,
-                    "the median trusted profile"
-                    if decision.fallback == "median-profile"
-                    else "least-loaded",
-                )
+            if name is not None:  # says once per pod and profile why it has no trusted one
+                self.trust.fallback_used(name, decision.fallback)
 
     def _forget(self, request_id: str) -> Entry | None:
         self._unbound.pop(request_id, None)
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self._per_client[lease.client] -= 1
+            if not self._per_client[lease.client]:
+                del self._per_client[lease.client]
         return self.state.finished(request_id)
 
     def pod_failed(self, pod: str) -> None:
@@ -348,67 +456,24 @@ class RoutingService:
 
     def install_profile(self, pod: str, profile: CalibrationProfile | None, now: float) -> bool:
         """Give `pod` its (re)loaded `profile` (None clears it); False when refused: a profile
-        that is not trusted (a re-probe that came out poor) never replaces a trusted one, which is
-        kept until a new fit is trusted (the pod's drift error keeps asking for re-probes)."""
-        inst = self.state.instances.get(pod)
-        current = inst.profile if inst is not None else None
-        if profile is not None and not profile.trusted and current is not None and current.trusted:
-            if self._kept_logged.get(pod) != profile.fitted_at:
-                self._kept_logged[pod] = profile.fitted_at
-                log.warning(
-                    "pod %s: new profile is %s (%s); keeping the trusted one fitted %s",
-                    pod, profile.quality, profile.notes or "no reason given", current.fitted_at,
-                )  # fmt: skip
-            return False
-        self.state.set_profile(pod, profile, now)
-        self.profile_changed(pod)
-        return True
+        that is not trusted (a re-probe that came out poor) never replaces a trusted one, and a
+        distrusted profile delivered again stays distrusted (`sidecar.profile_trust`)."""
+        return self.trust.install(pod, profile, now)
 
     def profile_changed(self, pod: str) -> None:
         """A pod's profile was (re)loaded: warn again if it is still untrusted, say again what
         prices the KV transfer of decode pods that did not measure theirs, and start its drift
         window over (its errors were about the old profile)."""
-        self._untrusted_logged.discard(pod)
-        self._kept_logged.pop(pod, None)
-        self.drift.profile_changed(pod)
-        self.note_transfer_stand_ins()
+        self.trust.profile_changed(pod)
 
     def note_transfer_stand_ins(self) -> None:
-        """Log, for each decode pod whose trusted profile did not measure its KV transfer (probed
-        without --peer), what the calibrated policy prices it with: the median measured transfer
-        of the decode pool, or the profile's defaults when no pod measured one (the rule is
-        `core.policies.calibrated`'s). Once per pod and stand-in; call it when profiles or
-        membership change, which is all that changes the stand-in."""
-        decodes = self.state.members("decode")
-        stand_in = median_measured_transfer(i.profile for i in decodes)
-        logged = self._stand_ins_logged
-        for inst in decodes:
-            p = inst.profile
-            if p is None or p.transfer_measured or not p.trusted:
-                logged.pop(inst.name, None)
-                continue
-            if inst.name in logged and logged[inst.name] == stand_in:
-                continue
-            logged[inst.name] = stand_in
-            if stand_in is None:
-                log.warning(
-                    "pod %s: KV transfer not measured (probed without --peer) and no decode pod "
-                    "measured one: the calibrated policy prices it with its defaults (%s)",
-                    inst.name,
-                    _transfer_text(p.kv_transfer),
-                )
-            else:
-                log.warning(
-                    "pod %s: KV transfer not measured (probed without --peer): the calibrated "
-                    "policy prices it with the decode pool's median measured transfer (%s), not "
-                    "its profile's defaults (%s)",
-                    inst.name,
-                    _transfer_text(stand_in),
-                    _transfer_text(p.kv_transfer),
-                )
+        """Log what prices the KV transfer of decode pods that did not measure theirs; call it
+        when profiles or membership change (`ProfileTrust.note_transfer_stand_ins`)."""
+        self.trust.note_transfer_stand_ins()
 
     # ------------------------------------------------------------------ reporting
     def prefilled(self, request_id: str) -> bool:
+        self._renew(request_id)
         return self.state.prefilled(request_id)
 
     def progress(
@@ -416,6 +481,7 @@ class RoutingService:
     ) -> bool:
         """`generated` output tokens so far; `first_token_at` (default: now) is when the first
         was seen, for a reporter that knows it better than the report's arrival."""
+        self._renew(request_id)
         return self.state.progress(request_id, generated, self.clock(), first_token_at)
 
     def finished(
@@ -476,10 +542,15 @@ class RoutingService:
         return True
 
     def expire(self) -> int:
-        """Forget requests nobody reported on within `inflight_ttl_s` (counted as failed)."""
-        gone = self.state.expired(self.clock(), self.config.inflight_ttl_s)
-        for rec in gone:
-            self._unbound.pop(rec.request_id, None)
+        """Forget requests nobody reported on within their lifetime, counted as failed: a gRPC
+        booking's lease, or `inflight_ttl_s` (a safety net under the front door's own bookings,
+        which it always reports)."""
+        now = self.clock()
+        lapsed = [rid for rid, lease in self._leases.items() if lease.until < now]
+        gone = [rec for rid in lapsed if (rec := self._forget(rid)) is not None]
+        for rec in self.state.expired(now, self.config.inflight_ttl_s):
+            self._forget(rec.request_id)
+            gone.append(rec)
         for rec in gone:
             self.metrics.outcome(rec.slo.name, "failed")
             log.warning("request %s expired in flight (no report)", rec.request_id)
@@ -488,6 +559,7 @@ class RoutingService:
         return len(gone)
 
 
-def _transfer_text(m: KVTransferModel) -> str:
-    """A KV transfer model for a log line: '2 ms + 20 GB/s'."""
-    return f"{m.k0 * 1e3:.3g} ms + {m.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+@dataclasses.dataclass(slots=True)
+class _Lease:
+    client: str
+    until: float

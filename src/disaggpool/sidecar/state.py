@@ -45,6 +45,7 @@ class Instance:
     events: EventIndex | None = None  # its cache as its KV events announce it (prefill pods)
     events_at: float = -1.0  # when its last event batch arrived (-1: none yet)
     awaiting_events_since: float | None = None  # sent new blocks at; cleared by any batch
+    max_model_len: int | None = None  # from its /v1/models, once read (None: not yet)
 
     @property
     def name(self) -> str:
@@ -76,6 +77,7 @@ class PoolState:
             elif inst.removed or inst.member != member:
                 if inst.member.url != member.url:  # a new pod behind the name: forget the old one
                     inst.gauges, inst.healthy, inst.failures = None, True, 0
+                    inst.max_model_len = None
                     inst.events, inst.events_at, inst.awaiting_events_since = None, -1.0, None
                     if self.prefix is not None:
                         self.prefix.forget(name)
