@@ -79,6 +79,9 @@ async def run(repeats: int) -> dict[str, float]:
             KUBERNETES_INSECURE="1",
         )
         fitted = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        # Only profiles owned by their pool count (as the probe Job writes them).
+        uid = json.loads(c.kubectl("get", "dpool", "bench", "-o", "json"))["metadata"]["uid"]
+        owner = sinks.pool_owner(f"bench/{uid}")
         for pod in pods:
             name = pod["metadata"]["name"]  # type: ignore[index]
             profile = dataclasses.replace(
@@ -87,7 +90,9 @@ async def run(repeats: int) -> dict[str, float]:
             labels = {"disaggpool.io/pool": "bench", "disaggpool.io/pod": name}
             labels["disaggpool.io/profile"] = "true"
             await asyncio.to_thread(
-                sinks.write_configmap, profile, f"default/bench-profile-{name}", {}, labels
+                lambda p=profile, n=name, lb=labels: sinks.write_configmap(
+                    p, f"default/bench-profile-{n}", {}, lb, owner=owner
+                )
             )
         await timed("profiles")
         steady = []

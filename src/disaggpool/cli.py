@@ -11,6 +11,7 @@
     disaggpool emulate --profile NAME|FILE [--port 8000] [...]     (see `disaggpool emulate -h`)
     disaggpool calibrate --endpoint URL [--peer URL] --role prefill|decode --out FILE
                          [--budget-seconds N] [--configmap NS/NAME] [--report FILE]
+                         [--configmap-labels K=V,...] [--configmap-owner POOL/UID]
                          [--accept-poor]
     disaggpool operator [--namespace NS ...] [--liveness URL]      (the Kopf operator)
 
@@ -18,13 +19,16 @@ Exit codes: 0 success, 2 bad input (the message names the file or argument and t
 1 anything unexpected. `calibrate` also: 3 the fit is poor (the profile is still written, with
 quality `poor` and the reason; 0 with `--accept-poor`), 4 the pod could not be probed or the
 profile not delivered.
-Every `calibrate` flag can also come from the environment as DISAGGPOOL_<FLAG> (for Jobs).
+Every `calibrate` flag can also come from the environment as DISAGGPOOL_<FLAG> (for Jobs). A pod
+started with vLLM's `--api-key` is probed with the key in DISAGGPOOL_API_KEY (an environment
+variable only: a flag would show in the process list).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +37,8 @@ from typing import Any
 
 from disaggpool import __version__
 from disaggpool.errors import InputError
+
+API_KEY_ENV = "DISAGGPOOL_API_KEY"  # vLLM's --api-key, for `calibrate`
 
 __all__ = ["main"]
 
@@ -213,6 +219,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError("--endpoint", "endpoint", "required (or DISAGGPOOL_ENDPOINT)")
     if not args.out and not args.configmap:
         raise InputError("--out", "out", "give --out FILE, --out - (stdout) or --configmap NS/NAME")
+    owner = sinks.pool_owner(args.configmap_owner)  # None without the flag
     cfg = ProbeConfig(
         endpoint=args.endpoint,
         role=args.role,
@@ -224,6 +231,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         kv_bytes_per_token=args.kv_bytes_per_token,
         gpu=args.gpu,
         busy_poll=args.busy_poll,
+        api_key=os.environ.get(API_KEY_ENV, ""),
     )
     try:
         result = run_probe(cfg, progress=_progress("calibrate"))
@@ -235,7 +243,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             sinks.write_profile(result.profile, args.out)
         if args.configmap:
             sinks.write_configmap(
-                result.profile, args.configmap, result.report, _labels(args.configmap_labels)
+                result.profile,
+                args.configmap,
+                result.report,
+                _labels(args.configmap_labels),
+                owner=owner,
             )
     except sinks.SinkError as exc:
         print(f"disaggpool: {exc}", file=sys.stderr)
@@ -269,8 +281,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     import kopf
 
-    import disaggpool.operator.handlers  # noqa: F401  (registers the handlers)
+    from disaggpool.operator import handlers  # registers the handlers
 
+    handlers.watch_namespaces(args.namespace or ())
     kopf.configure(verbose=args.verbose)  # also sets up logging for the whole process
     logging.getLogger("disaggpool").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     kopf.run(
@@ -392,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("configmap_labels"),
         metavar="K=V,...",
         help="labels for the ConfigMap (the operator passes pool, pod and profile=true)",
+    )
+    c.add_argument(
+        "--configmap-owner",
+        default=_env("configmap_owner"),
+        metavar="POOL/UID",
+        help="the DisaggPool owning the ConfigMap (the router counts only its pool's profiles)",
     )
     c.set_defaults(func=cmd_calibrate)
 

@@ -24,7 +24,7 @@ __all__ = [
     "COMPONENT_LABEL",
     "COMPONENT_ROUTER",
     "CONFIG_HASH_ANNOTATION",
-    "DECODE_RECOMMENDATION_ANNOTATION",
+    "DECODE_RECOMMENDATION_KEY",
     "GPU_TYPE_ANNOTATION",
     "GROUP",
     "K8S_COMPONENT_LABEL",
@@ -33,7 +33,7 @@ __all__ = [
     "KIND",
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
-    "OBSERVED_ERRORS_ANNOTATION",
+    "OBSERVED_ERRORS_KEY",
     "PLURAL",
     "POD_LABEL",
     "POOL_LABEL",
@@ -47,6 +47,7 @@ __all__ = [
     "ROLE_DECODE",
     "ROLE_LABEL",
     "ROLE_PREFILL",
+    "ROUTER_STATUS_KEY",
     "SPEC_HASH_ANNOTATION",
     "VARIANT_LABEL",
     "VERSION",
@@ -92,11 +93,16 @@ PROFILE_LABELS = MappingProxyType({PROFILE_LABEL: PROFILE_LABEL_VALUE})
 APPLIED_SPEC_ANNOTATION = f"{GROUP}/applied-spec"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
-# The router's per-pod prediction error, on its pool; the operator re-probes drifting pods.
-OBSERVED_ERRORS_ANNOTATION = f"{GROUP}/observed-errors"
 GPU_TYPE_ANNOTATION = f"{GROUP}/gpu-type"
-# The router's decode autoscaler writes its recommendation on its pool; the operator applies it.
-DECODE_RECOMMENDATION_ANNOTATION = f"{GROUP}/decode-recommendation"
+
+# What the router reports on its pool, through the status subresource (it may not write the
+# pool's spec or metadata): ``status.router.<key>``, one object per key. The operator keeps that
+# part of the status as the router wrote it.
+ROUTER_STATUS_KEY = "router"
+# The router's decode autoscaler's recommendation; the operator applies it within the bounds.
+DECODE_RECOMMENDATION_KEY = "decodeRecommendation"
+# The router's per-pod prediction errors; the operator re-probes drifting pods.
+OBSERVED_ERRORS_KEY = "observedErrors"
 
 # Keys of a profile ConfigMap's data (what the probe writes, what the operator and sidecar read).
 PROFILE_KEY = "profile.yaml"

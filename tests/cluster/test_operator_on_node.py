@@ -5,10 +5,12 @@ calibration Jobs, router), with a request served through the router pod."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,155 @@ def test_the_sample_pool_renders_and_waits_for_gpus(
     messages = node.wait_for("the scheduler's verdict", unschedulable, timeout=120)
     assert "nvidia.com/gpu" in messages[0], messages
     _delete_pool(node, "small")
+
+
+#: Engines that take longer to open their port than three of the router's liveness periods
+#: (10 s each): a router whose liveness followed the pool's state would be restarted meanwhile.
+SLOW_START_S = 45
+ROUTER_LIVENESS_WINDOW_S = 30
+API_KEY = "node-test-key-0123456789"
+
+#: 1 prefill + 1 decode, slow to start, with every security option: restricted vLLM pods, the
+#: pool's API key (engines, router, probe), a gRPC token, NetworkPolicies (the bridge CNI here
+#: does not enforce them: their objects are what the real API server accepts).
+SLOW_POOL = {
+    "apiVersion": "disaggpool.io/v1alpha1",
+    "kind": "DisaggPool",
+    "metadata": {"name": "slow", "namespace": "default"},
+    "spec": {
+        "model": {"name": "Qwen/Qwen2.5-3B", "servedModelName": "qwen", "maxModelLen": 4096},
+        "engine": {
+            "image": f"{EMULATED_ENGINE[0]}:{EMULATED_ENGINE[1]}",
+            "imagePullPolicy": "Never",
+            "podSecurity": "restricted",
+            "env": [
+                {"name": "DISAGGPOOL_EMULATOR_PROFILE", "value": "a40-qwen2.5-3b"},
+                {"name": "DISAGGPOOL_EMULATOR_STARTUP_DELAY", "value": str(SLOW_START_S)},
+            ],
+            "sharedMemory": "64Mi",
+        },
+        "prefill": {"replicas": 1, "gpus": 0},
+        "decode": {"replicas": 1, "gpus": 0},
+        "calibration": {"budgetSeconds": 10},
+        "router": {"policy": "calibrated", "grpc": {"tokenSecret": {"name": "slow-grpc"}}},
+        "auth": {"apiKeySecret": {"name": "slow-key"}},
+        "networkPolicy": {"enabled": True},
+    },
+}
+
+
+def _proc_status(node: NodeCluster, pod: str, container: str) -> dict[str, str]:
+    """/proc/PID/status of a running container's first process, as the kernel sees it."""
+    pid = node.container_pid("default", pod, container)
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_a_slow_secured_pool_keeps_its_router_alive_and_serves_with_its_key(
+    node: NodeCluster, operator: dict[str, Any]
+) -> None:
+    """The router's liveness is its own (/livez), not the pool's (/readyz): while the engines
+    take longer than three liveness periods to open their ports the router is alive and not
+    Ready, and it is never restarted. Then: restricted engine and router processes as the
+    kernel runs them, a probe that calibrates with the pool's API key, and a router that wants
+    the key from its clients and passes it on to the engines."""
+    for name, key, value in (("slow-key", "api-key", API_KEY), ("slow-grpc", "token", "g" * 24)):
+        node.kubectl(
+            "create", "secret", "generic", name, "-n", "default", f"--from-literal={key}={value}"
+        )
+    node.kubectl("apply", "-f", "-", stdin=json.dumps(SLOW_POOL))
+    selector = "disaggpool.io/pool=slow"
+
+    def pods() -> list[dict[str, Any]]:
+        return list(node.get("pods", "-n", "default", "-l", selector)["items"])
+
+    def router() -> dict[str, Any]:
+        found = [
+            p for p in pods() if p["metadata"]["labels"].get("disaggpool.io/component") == "router"
+        ]
+        return found[0] if found else {}
+
+    def running_router() -> dict[str, Any]:
+        r = router()
+        started = [c for c in r.get("status", {}).get("containerStatuses", []) if c["started"]]
+        return r if started and r["status"].get("podIP") else {}
+
+    r = node.wait_for("the router container to start", running_router, timeout=180)
+    ip = r["status"]["podIP"]
+    started_at = dt.datetime.fromisoformat(
+        r["status"]["containerStatuses"][0]["state"]["running"]["startedAt"].replace("Z", "+00:00")
+    )
+    # While the engines load: alive, not ready, not restarted. Watched until both engines are
+    # Ready, however long they take.
+    seen_waiting = False
+
+    def engines_ready() -> bool:
+        nonlocal seen_waiting
+        current = router()
+        assert current["status"]["containerStatuses"][0]["restartCount"] == 0, current
+        engines = [p for p in pods() if p["metadata"]["labels"].get("disaggpool.io/role")]
+        ready = len(engines) == 2 and all(pod_ready(p) for p in engines)
+        if not ready:
+            assert _http_status(f"http://{ip}:8000/livez") == 200
+            if _http_status(f"http://{ip}:8000/readyz") == 503:
+                seen_waiting = True
+                assert not pod_ready(current)
+        return ready
+
+    node.wait_for("both slow engines to be Ready", engines_ready, timeout=300, every=2)
+    waited = (dt.datetime.now(dt.UTC) - started_at).total_seconds()
+    assert seen_waiting and waited > ROUTER_LIVENESS_WINDOW_S, waited
+
+    def router_ready() -> dict[str, Any]:
+        current = router()
+        return current if pod_ready(current) else {}
+
+    current = node.wait_for("the router to turn Ready", router_ready, timeout=120)
+    assert current["status"]["containerStatuses"][0]["restartCount"] == 0
+
+    # Restricted, as the kernel applies it: non-root, no capabilities, a seccomp filter, no new
+    # privileges; for the router and for a vLLM pod rendered with engine.podSecurity.
+    engine = next(p for p in pods() if p["metadata"]["labels"].get("disaggpool.io/role"))
+    for pod, container in ((current, "router"), (engine, "vllm")):
+        st = _proc_status(node, pod["metadata"]["name"], container)
+        assert st["Uid"].split()[0] == "65532", (container, st["Uid"])
+        assert st["CapEff"] == "0000000000000000", (container, st["CapEff"])
+        assert st["Seccomp"] == "2" and st["NoNewPrivs"] == "1", (container, st)
+    assert engine["spec"]["automountServiceAccountToken"] is False
+
+    # The probe calibrates both engines, which require the key; the router needs it too.
+    def calibrated() -> dict[str, Any]:
+        status = node.get("dpool", "-n", "default", "slow").get("status") or {}
+        return status if status.get("calibratedPods") == 2 else {}
+
+    node.wait_for("both slow engines calibrated", calibrated, timeout=300, every=2)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        complete(ip, "qwen", "hello " * 20, 4)
+    assert refused.value.code == 401
+    out = complete(ip, "qwen", "hello " * 20, 4, api_key=API_KEY)
+    assert out["usage"]["completion_tokens"] == 4
+    engine_ip = engine["status"]["podIP"]
+    with pytest.raises(urllib.error.HTTPError) as direct:
+        complete(engine_ip, "qwen", "hello", 2)  # the engine itself wants the key
+    assert direct.value.code == 401
+    routers = f"{selector},disaggpool.io/component=router"
+    (service,) = node.get("services", "-n", "default", "-l", routers)["items"]
+    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
+    policies = node.get("networkpolicies", "-n", "default", "-l", selector)["items"]
+    assert sorted(p["metadata"]["name"] for p in policies) == [
+        "slow-engines", "slow-probe", "slow-router",
+    ]  # fmt: skip
+    assert router()["status"]["containerStatuses"][0]["restartCount"] == 0
+    _delete_pool(node, "slow")
+    node.kubectl("delete", "secret", "-n", "default", "slow-key", "slow-grpc")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,10 @@ side channel comes from the same environment variables vLLM reads (the emulator 
 Flags the emulator has no use for (`--tensor-parallel-size`, `--kv-transfer-config`, whose role
 it does not need since it serves either leg, `--enforce-eager`, ...) are accepted and ignored,
 as a real engine's would be. `DISAGGPOOL_EMULATOR_PROFILE` picks the emulated hardware (a
-built-in profile name; default a40-qwen2.5-3b). Binds all addresses, as vLLM does by default.
+built-in profile name; default a40-qwen2.5-3b). `DISAGGPOOL_EMULATOR_STARTUP_DELAY` (seconds,
+test-only) keeps the port closed that long first, as a real engine loading its weights does.
+`VLLM_API_KEY` reaches the emulator through the environment, as it reaches vLLM. Binds all
+addresses, as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def emulate_argv(argv: list[str], env: dict[str, str]) -> list[str]:
         out += ["--kv-events-config", args.kv_events_config]
     if args.scheduling_policy:
         out += ["--scheduling-policy", args.scheduling_policy]
+    if env.get("DISAGGPOOL_EMULATOR_STARTUP_DELAY"):
+        out += ["--startup-delay", env["DISAGGPOOL_EMULATOR_STARTUP_DELAY"]]
     return out
 
 

@@ -48,8 +48,12 @@ def write_kubeconfig(directory: Path, server: str, token: str = TOKEN) -> Path:
 
 
 async def start_operator(
-    kubeconfig: Path, log_path: Path, extra_env: dict[str, str] | None = None
+    kubeconfig: Path,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> asyncio.subprocess.Process:
+    """`disaggpool operator --verbose [args]` with `kubeconfig`, its output in `log_path`."""
     env = {
         **os.environ,
         "KUBECONFIG": str(kubeconfig),
@@ -65,6 +69,7 @@ async def start_operator(
         "disaggpool",
         "operator",
         "--verbose",
+        *args,
         env=env,
         stdout=log,
         stderr=asyncio.subprocess.STDOUT,

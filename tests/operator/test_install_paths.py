@@ -72,12 +72,24 @@ def test_the_crd_schema_catches_what_it_claims_to() -> None:
     }
 
 
-def test_chart_clusterrole_rules_equal_the_manifests() -> None:
+def _chart_rules(name: str) -> list[dict[str, Any]]:
+    """The rules a `define` of the chart's _helpers.tpl holds (plain YAML inside)."""
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    body = text.split(f'{{{{- define "{name}" -}}}}', 1)[1].split("{{- end -}}", 1)[0]
+    rules: list[dict[str, Any]] = yaml.safe_load(body)
+    return rules
+
+
+def test_chart_rbac_rules_equal_the_manifests() -> None:
+    """One set of rules, two install paths: the ClusterRole of manifests/02-rbac.yaml is the
+    chart's cluster-only rules plus its namespaced ones (what a Role per watched namespace holds
+    with operator.watchNamespaces)."""
     manifest_role = next(d for d in _docs(MANIFESTS / "02-rbac.yaml") if d["kind"] == "ClusterRole")
-    text = (CHART / "templates" / "rbac.yaml").read_text()
-    body = text.split("rules:", 1)[1].split("---", 1)[0]
-    chart_rules = yaml.safe_load(body)
-    assert chart_rules == manifest_role["rules"]
+    cluster = _chart_rules("disaggpool.clusterRules")
+    namespaced = _chart_rules("disaggpool.namespacedRules")
+    assert cluster + namespaced == manifest_role["rules"]
+    cluster_only = {g for r in cluster for g in r["resources"]}
+    assert cluster_only == {"customresourcedefinitions", "namespaces"}
 
 
 def test_every_manifest_rbac_rule_says_why() -> None:
@@ -91,12 +103,18 @@ def test_operator_deployment_is_locked_down() -> None:
     dep = _docs(MANIFESTS / "03-operator.yaml")[0]
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    sc = pod["containers"][0]["securityContext"]
-    assert sc == {
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+    # Kopf's health endpoint: up once started (startup), failing when its loops die (liveness);
+    # the operator serves no traffic, so readiness asks the same endpoint.
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert "--liveness" in c["args"]
 
 
 def test_every_chart_value_is_documented_and_typed() -> None:
@@ -195,6 +213,12 @@ def test_rendered_pool_objects_validate_strictly(tmp_path: Path) -> None:
                 pool, spec, PodView("p-0", "decode", "198.18.0.1", True), "198.18.0.2", 1
             )
         )
+    # Every optional object and field (NetworkPolicies, Secret volumes, restricted engines).
+    from test_pod_security import rendered_pool
+
+    full = rendered_pool("full")
+    assert {"NetworkPolicy", "Role", "Job"} <= {d["kind"] for d in full}
+    docs += full
     out = tmp_path / "pool.yaml"
     out.write_text(yaml.safe_dump_all(docs))
     _kubernetes_validate(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import json
 import ssl
 import time
@@ -38,7 +39,8 @@ from operator_testkit import (
 
 from disaggpool.calibration import sinks
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.kubeclient import Kube
+from disaggpool.formats.profiles import dump_profile
+from disaggpool.kubeclient import ApiError, Kube
 from disaggpool.operator.reconcile import reconcile
 
 
@@ -163,17 +165,49 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
         ]["args"]
         assert decode_args[decode_args.index("--peer") + 1] == "http://198.18.0.11:8000"
 
+        # The probe's Role: patch the profile ConfigMaps of the pool's pods, by name, nothing
+        # else; the operator created each before its probe (the probe may not create one).
+        role = _json(cluster, "role", "small-probe", "-n", ns)
+        (rule,) = role["rules"]
+        assert rule["verbs"] == ["patch"] and rule["resources"] == ["configmaps"]
+        assert sorted(rule["resourceNames"]) == sorted(
+            f"small-profile-{p}" for p in (prefill["metadata"]["name"], decode["metadata"]["name"])
+        )
+        router_rules = _json(cluster, "role", "small-router", "-n", ns)["rules"]
+        assert router_rules == [
+            {"apiGroups": [""], "resources": ["pods", "configmaps"], "verbs": ["list", "watch"]}
+        ]  # no writes at all: this pool neither autoscales nor watches drift
+
         # Play the probe Job with the probe's own service account (its Role is exercised).
         probe_token = cluster.sa_token(ns, "small-probe")
         monkeypatch.setenv("KUBERNETES_API", cluster.server)
         monkeypatch.setenv("KUBERNETES_TOKEN", probe_token)
         monkeypatch.setenv("KUBERNETES_INSECURE", "1")
+        probe_kube = Kube.from_environment()
+        try:
+            for verb, call in (
+                ("create", probe_kube.create(
+                    "/api/v1/namespaces/default/configmaps",
+                    {"metadata": {"name": "small-profile-forged"}, "data": {}},
+                )),
+                ("patch another", probe_kube.merge_patch(
+                    "/api/v1/namespaces/default/configmaps/small-router", {"data": {}}
+                )),
+                ("list", probe_kube.list("/api/v1/namespaces/default/configmaps", {})),
+            ):  # fmt: skip
+                with pytest.raises(ApiError) as refused:
+                    await call
+                assert refused.value.status == 403, verb
+        finally:
+            await probe_kube.close()
         fitted = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for pod_name, job in by_pod.items():
             args = job["spec"]["template"]["spec"]["containers"][0]["args"]
             labels = dict(
                 kv.split("=", 1) for kv in args[args.index("--configmap-labels") + 1].split(",")
             )
+            owner = sinks.pool_owner(args[args.index("--configmap-owner") + 1])
+            assert owner is not None and owner["uid"] == uid
             profile = dataclasses.replace(
                 builtin_profile("a40-llama3-8b"),
                 name=pod_name,
@@ -182,11 +216,14 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
                 fitted_at=fitted,
             )
             await asyncio.to_thread(
-                sinks.write_configmap,
-                profile,
-                args[args.index("--configmap") + 1],
-                {"quality": "good"},
-                labels,
+                functools.partial(
+                    sinks.write_configmap,
+                    profile,
+                    args[args.index("--configmap") + 1],
+                    {"quality": "good"},
+                    labels,
+                    owner=owner,
+                )
             )
         for router_pod in _pods(cluster, ns, "disaggpool.io/component=router"):
             _play_kubelet(cluster, ns, router_pod["metadata"]["name"], "198.18.0.20")
@@ -318,6 +355,58 @@ def test_helm_install_upgrade_uninstall(cluster: Cluster, tmp_path: Path) -> Non
 
 
 @pytest.mark.asyncio
+async def test_an_operator_watching_namespaces_needs_only_roles_there(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`operator.watchNamespaces`: the chart grants a Role and RoleBinding in each watched
+    namespace and nothing cluster-wide; the operator, with its own token and `--namespace`,
+    renders and reports a pool there and leaves other namespaces alone."""
+    ns, other, home = "watched", "unwatched", "dp-ns"
+    for n in (ns, other, home):
+        cluster.kubectl("create", "namespace", n)
+    cluster.helm(
+        "install", "nsop", str(CHART), "-n", home, "--wait=false",
+        "--set", f"operator.watchNamespaces={{{ns}}}",
+    )  # fmt: skip
+    try:
+        release = "app.kubernetes.io/instance=nsop"
+        roles = _json(cluster, "roles,rolebindings", "-n", ns, "-l", release)
+        assert sorted(r["kind"] for r in roles["items"]) == ["Role", "RoleBinding"]
+        cluster_wide = _json(cluster, "clusterroles,clusterrolebindings", "-l", release)
+        assert cluster_wide["items"] == []
+        token = cluster.sa_token(home, "nsop-disaggpool-operator")
+        log = tmp_path / "operator.log"
+        proc = await start_operator(
+            cluster.kubeconfig_for(tmp_path / "operator", token), log, args=("--namespace", ns)
+        )
+        try:
+            for n in (ns, other):
+                cr = load_sample("small.yaml")
+                cr["metadata"]["namespace"] = n
+                cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
+
+            async def reported() -> dict[str, Any] | None:
+                st: dict[str, Any] = _json(cluster, "dpool", "small", "-n", ns).get("status") or {}
+                return st if st.get("phase") else None
+
+            st = await eventually(reported, "the watched pool's status", 60, 0.5, log)
+            assert st["phase"] == "Progressing"
+            assert _json(cluster, "deployment", "small-router", "-n", ns)["metadata"]["name"]
+            await asyncio.sleep(6)  # a resync period (5 s in these tests) and more
+            assert _json(cluster, "dpool", "small", "-n", other).get("status") is None
+            assert not _json(cluster, "deployments", "-n", other)["items"]
+            text = log.read_text(errors="replace")
+            assert "403" not in text and "Forbidden" not in text, text[-3000:]
+            assert proc.returncode is None
+        finally:
+            await stop_operator(proc)
+    finally:
+        cluster.helm("uninstall", "nsop", "-n", home)
+        for n in (ns, other, home):
+            cluster.kubectl("delete", "namespace", n, "--wait=false")
+
+
+@pytest.mark.asyncio
 async def test_decode_autoscaling_from_the_routers_recommendation(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -375,26 +464,41 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
             kube=lambda: Kube.from_environment(str(router_cfg)),
         )  # fmt: skip
         written = await task.step()
-        decision = written["disaggpool.io/decode-recommendation"]
+        decision = written["decodeRecommendation"]
         # 50 req/s needs 9 pods of this profile; the router's own bounds (rendered from the
         # pool's) cap its recommendation at 3.
         assert decision["replicas"] == 3 and "-> 9" in decision["reason"]
         assert await task.step() == {}  # unchanged: not written again
         pool = _json(cluster, "dpool", "small", "-n", "scale")
-        on_pool = json.loads(pool["metadata"]["annotations"]["disaggpool.io/decode-recommendation"])
-        assert on_pool == decision
+        # On the status subresource, as the router's report; never on the pool's metadata.
+        assert pool["status"]["router"]["decodeRecommendation"] == decision
+        assert "disaggpool.io/decode-recommendation" not in pool["metadata"].get("annotations", {})
 
-        # Its Role lets it write its own pool and no other.
+        # Its Role lets it patch its own pool's status and nothing else: not its spec (what the
+        # operator deploys), not another pool's status, not even a read.
         other = load_sample("small.yaml")
         other["metadata"].update(name="other", namespace="scale")
         cluster.kubectl("apply", "-f", "-", stdin=json.dumps(other))
         router_kube = Kube.from_environment(str(router_cfg))
-        with pytest.raises(Exception, match="403"):
-            await router_kube.merge_patch(
-                "/apis/disaggpool.io/v1alpha1/namespaces/scale/disaggpools/other",
-                {"metadata": {"annotations": {"x": "y"}}},
-            )
-        await router_kube.close()
+        pools = "/apis/disaggpool.io/v1alpha1/namespaces/scale/disaggpools"
+        try:
+            for what, call in (
+                ("its spec", router_kube.merge_patch(
+                    f"{pools}/small", {"spec": {"engine": {"image": "evil"}}}
+                )),
+                ("its annotations", router_kube.merge_patch(
+                    f"{pools}/small", {"metadata": {"annotations": {"x": "y"}}}
+                )),
+                ("another's status", router_kube.merge_patch(
+                    f"{pools}/other/status", {"status": {"router": {}}}
+                )),
+                ("a read", router_kube.get(f"{pools}/small")),
+            ):  # fmt: skip
+                with pytest.raises(ApiError) as refused:
+                    await call
+                assert refused.value.status == 403, what
+        finally:
+            await router_kube.close()
 
         await reconcile(kube, "scale", "small", default_image="disaggpool:test")
         assert _json(cluster, *deployment)["spec"]["replicas"] == 3
@@ -463,6 +567,7 @@ async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))  # the probe's sink, as admin here
     try:
         await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        uid = _json(cluster, "dpool", "small", "-n", ns)["metadata"]["uid"]
 
         async def both() -> list[dict[str, Any]] | None:
             pods = _pods(cluster, ns, "disaggpool.io/pool=small,disaggpool.io/role")
@@ -481,8 +586,16 @@ async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
             )
             labels = {"disaggpool.io/pool": "small", "disaggpool.io/pod": name,
                       "disaggpool.io/profile": "true"}  # fmt: skip
+            owner = sinks.pool_owner(f"small/{uid}")
             await asyncio.to_thread(
-                sinks.write_configmap, profile, f"{ns}/small-profile-{name}", {}, labels
+                functools.partial(
+                    sinks.write_configmap,
+                    profile,
+                    f"{ns}/small-profile-{name}",
+                    {},
+                    labels,
+                    owner=owner,
+                )
             )
         calm = await reconcile(kube, ns, "small", default_image="disaggpool:test")
         assert not calm.jobs_created, calm
@@ -515,9 +628,11 @@ async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
             session=None, kube=lambda: Kube.from_environment(str(router_cfg)),
         )  # fmt: skip
         written = await writer.step()
-        errors = written["disaggpool.io/observed-errors"]["pods"]
-        assert errors[decode] == {"error": 0.5, "profile": fitted}
+        errors = {e["pod"]: e for e in written["observedErrors"]["pods"]}
+        assert errors[decode] == {"pod": decode, "error": 0.5, "profile": fitted}
         await writer.stop()
+        report = _json(cluster, "dpool", "small", "-n", ns)["status"]["router"]
+        assert report["observedErrors"] == written["observedErrors"]
 
         drifted = await reconcile(kube, ns, "small", default_image="disaggpool:test")
         assert len(drifted.jobs_created) == 1, drifted
@@ -527,6 +642,58 @@ async def test_a_drifting_pod_is_reprobed_from_the_routers_errors(
         by_pod = {p["name"]: p for p in status["pods"]}
         assert by_pod[decode]["calibration"] == "probing"
         assert by_pod[prefill]["calibration"] == "calibrated"
+        # The operator's status write left the router's report alone.
+        assert status["router"]["observedErrors"] == written["observedErrors"]
+
+        # A profile that does not parse or validate: a Warning Event naming the field, once
+        # however many passes see it, and the pod is probed again.
+        bad = yaml.safe_load(
+            _json(cluster, "configmap", f"small-profile-{prefill}", "-n", ns)["data"][
+                "profile.yaml"
+            ]
+        )
+        bad["decode"]["d1"] = "fast"
+        cluster.kubectl(
+            "patch", "configmap", f"small-profile-{prefill}", "-n", ns, "--type=merge",
+            "-p", json.dumps({"data": {"profile.yaml": yaml.safe_dump(bad)}}),
+        )  # fmt: skip
+        rejected = await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        assert [
+            j for j in rejected.jobs_created
+            if _json(cluster, "job", j, "-n", ns)["metadata"]["labels"]["disaggpool.io/pod"]
+            == prefill
+        ]  # fmt: skip
+        events = [
+            e for e in _json(cluster, "events", "-n", ns)["items"]
+            if e["reason"] == "ProfileRejected"
+        ]  # fmt: skip
+        assert len(events) == 1 and events[0]["type"] == "Warning", events
+        assert "decode.d1" in events[0]["message"] and prefill in events[0]["message"]
+        assert events[0]["count"] == 1
+
+        # A profile not owned by this pool (labels alone) is ignored: the pod is probed, into
+        # a ConfigMap the operator takes over.
+        cluster.kubectl("delete", "configmap", f"small-profile-{decode}", "-n", ns)
+        forged = {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"small-profile-{decode}", "namespace": ns,
+                         "labels": {"disaggpool.io/pool": "small", "disaggpool.io/pod": decode,
+                                    "disaggpool.io/profile": "true"}},
+            "data": {"profile.yaml": dump_profile(dataclasses.replace(
+                builtin_profile("a40-llama3-8b"), quality="good", fitted_at=fitted))},
+        }  # fmt: skip
+        cluster.kubectl("apply", "-f", "-", stdin=json.dumps(forged))
+        for job in _json(cluster, "jobs", "-n", ns, "-l", f"disaggpool.io/pod={decode}")["items"]:
+            _play_failed_job(cluster, ns, job["metadata"]["name"])  # end the drift probe
+        await reconcile(kube, ns, "small", default_image="disaggpool:test")
+        taken = _json(cluster, "configmap", f"small-profile-{decode}", "-n", ns)
+        assert taken["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert "disaggpool.io/profile" not in taken["metadata"]["labels"]
+        assert not taken.get("data")
+        status = _json(cluster, "dpool", "small", "-n", ns)["status"]
+        by_pod = {p["name"]: p for p in status["pods"]}
+        assert by_pod[decode]["calibration"] == "probing" and "profileRef" not in by_pod[decode]
     finally:
         await kube.close()
         cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import json
 from pathlib import Path
 from typing import Any
 
@@ -178,10 +177,21 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
         assert args[args.index("--configmap") + 1] == "default/small-profile-small-prefill-0"
         assert job["metadata"]["ownerReferences"][0]["uid"] == uid
 
-        # Play the probe: the real ConfigMap sink writes the profile, labelled as the Job asks.
+        # The ConfigMap the probe writes into exists before it runs (the probe may not create
+        # one): owned by the pool, not yet labelled as a profile.
+        cm_name = profile_configmap_name("small", "small-prefill-0")
+        placeholder = _get(kmock, "v1/configmaps", "default", cm_name)
+        assert placeholder is not None and not placeholder.get("data")
+        assert placeholder["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert "disaggpool.io/profile" not in placeholder["metadata"]["labels"]
+        assert args[args.index("--configmap-owner") + 1] == f"small/{uid}"
+
+        # Play the probe: the real ConfigMap sink writes the profile, labelled and owned as the
+        # Job asks.
         labels = dict(
             kv.split("=", 1) for kv in args[args.index("--configmap-labels") + 1].split(",")
         )
+        owner = sinks.pool_owner(args[args.index("--configmap-owner") + 1])
         monkeypatch.setenv("KUBERNETES_API", str(kmock.url))
         monkeypatch.setenv("KUBERNETES_TOKEN", "t")
         fitted = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -194,6 +204,7 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
             "default/" + profile_configmap_name("small", "small-prefill-0"),
             {"quality": profile.quality},
             labels,
+            owner=owner,
         )
 
         async def calibrated() -> dict[str, Any] | None:
@@ -208,7 +219,7 @@ async def test_operator_renders_calibrates_and_reports_on_kmock(
         assert entry["quality"] == profile.quality
         cm = _get(kmock, "v1/configmaps", "default", "small-profile-small-prefill-0")
         assert cm is not None
-        assert cm["metadata"]["ownerReferences"][0]["uid"] == uid  # adopted: GC'd with the pool
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == uid  # GC'd with the pool
 
         # A deleted pod's profile goes away.
         await _delete(kmock, f"{pods}/small-prefill-0")
@@ -264,9 +275,10 @@ async def test_the_running_operator_follows_the_routers_recommendation(
             return decode_replicas() == n
 
         await eventually(lambda: replicas_are(1), "decode at decode.replicas", log_path=log)
-        key = "disaggpool.io/decode-recommendation"
+        # The router writes on the status subresource only (status.router), as pool_writer does.
         body = {"replicas": 5, "reason": "busy", "at": "2026-12-04T12:00:00+00:00"}
-        await _patch(kmock, path, {"metadata": {"annotations": {key: json.dumps(body)}}})
+        report = {"status": {"router": {"decodeRecommendation": body}}}
+        await _patch(kmock, path + "/status", report)
         await eventually(lambda: replicas_are(3), "decode scaled to the bound", log_path=log)
 
         async def autoscaling_status() -> dict[str, Any] | None:
@@ -276,15 +288,20 @@ async def test_the_running_operator_follows_the_routers_recommendation(
 
         a = await eventually(autoscaling_status, "status.autoscaling", log_path=log)
         assert a["recommendedReplicas"] == 5 and "bounds 1..3" in a["reason"]
+        # The operator's own status writes left the router's report as it was.
+        st = (_get(kmock, POOLS, "default", "small") or {})["status"]
+        assert st["router"] == {"decodeRecommendation": body}
 
-        await _patch(kmock, path, {"metadata": {"annotations": {key: "{broken"}}})
+        bad = {"replicas": "many", "reason": "?", "at": "x"}
+        await _patch(kmock, path + "/status", {"status": {"router": {"decodeRecommendation": bad}}})
 
         async def reported() -> str | None:
             st = (_get(kmock, POOLS, "default", "small") or {}).get("status") or {}
             error: str | None = (st.get("autoscaling") or {}).get("error")
             return error
 
-        assert "not JSON" in await eventually(reported, "the bad recommendation", log_path=log)
+        error = await eventually(reported, "the bad recommendation", log_path=log)
+        assert "non-negative integer" in error
         assert decode_replicas() == 3  # ignored: the pool keeps the count it has
         assert proc.returncode is None
     finally:

@@ -22,7 +22,7 @@ from disaggpool.formats.profiles import dump_profile
 from disaggpool.kubeclient.paths import matches
 from disaggpool.labels import PROBE_JOB_LABELS, of_pool
 from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
-from disaggpool.operator.names import PoolRef
+from disaggpool.operator.names import PoolRef, owner_reference
 from disaggpool.operator.observed import (
     JobView,
     PodView,
@@ -73,9 +73,32 @@ def _check_golden(name: str, docs: Any) -> None:
 @pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
 def test_render_pool_matches_golden(sample: str) -> None:
     pool, spec = _spec(sample)
-    docs = render_pool(pool, spec)
-    assert render_pool(pool, spec) == docs  # pure: same input, same output
+    pods = [f"{pool.name}-prefill-a", f"{pool.name}-decode-b"]
+    docs = render_pool(pool, spec, pods)
+    assert render_pool(pool, spec, pods) == docs  # pure: same input, same output
     _check_golden(f"pool-{sample}", docs)
+
+
+def test_the_probe_may_patch_only_its_pools_profile_configmaps_by_name() -> None:
+    pool, spec = _spec("small.yaml")
+
+    def probe_rules(pods: list[str]) -> list[dict[str, Any]]:
+        (role,) = [
+            o for o in render_pool(pool, spec, pods)
+            if o["kind"] == "Role" and o["metadata"]["name"] == "small-probe"
+        ]  # fmt: skip
+        return list(role["rules"])
+
+    assert probe_rules(["small-decode-b", "small-prefill-a"]) == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["small-profile-small-decode-b", "small-profile-small-prefill-a"],
+            "verbs": ["patch"],
+        }
+    ]
+    # No pods: no rule at all. (An empty resourceNames would grant every ConfigMap.)
+    assert probe_rules([]) == []
 
 
 def test_a_cpu_engine_asks_for_no_gpu_and_runs_one_worker() -> None:
@@ -116,14 +139,24 @@ def test_calibration_job_and_status_match_golden() -> None:
         "metadata": {
             "name": "small-profile-small-prefill-a",
             "labels": {"disaggpool.io/pod": "small-prefill-a"},
-            "ownerReferences": [{"uid": pool.uid}],
+            "ownerReferences": [{"kind": "DisaggPool", "uid": pool.uid}],
         },
         "data": {"profile.yaml": dump_profile(profile)},
     }
-    plan = plan_calibration(pool, spec, pods, [profile_view(cm)], [], NOW)
+    plan = plan_calibration(pool, spec, pods, [profile_view(cm, pool.uid)], [], NOW)
     states = {c.pod.name: c.state for c in plan.pods}
     assert states == {"small-prefill-a": "calibrated", "small-decode-b": "probing"}
     assert len(plan.create_jobs) == 1
+    # The probe may not create ConfigMaps: the one it writes into is created beforehand, owned
+    # by the pool and not yet labelled as a profile (neither the router nor the operator counts
+    # it until the probe writes one).
+    (placeholder,) = plan.create_configmaps
+    assert placeholder["metadata"]["name"] == "small-profile-small-decode-b"
+    assert placeholder["metadata"]["labels"] == {
+        "disaggpool.io/pool": "small",
+        "disaggpool.io/pod": "small-decode-b",
+    }
+    assert placeholder["metadata"]["ownerReferences"][0]["uid"] == pool.uid
     job = plan.create_jobs[0]
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--peer") + 1] == "http://198.18.0.1:8000"
@@ -231,6 +264,21 @@ def test_deleted_pods_lose_their_profiles_and_jobs_and_unready_pods_wait() -> No
         ({"router": {"prefixIndex": "yes"}}, "router.prefixIndex"),
         ({"router": {"kvEvents": True}}, "router.kvEvents"),
         ({"router": {"policy": "length", "priorityScheduling": True}}, "router.priorityScheduling"),
+        ({"engine": {"image": "x", "podSecurity": "privileged"}}, "engine.podSecurity"),
+        ({"auth": {"apiKeySecret": {"key": "k"}}}, "auth.apiKeySecret.name"),
+        ({"auth": {"apiKeySecret": {"name": "Bad_Name"}}}, "auth.apiKeySecret.name"),
+        ({"auth": {"apiKeySecret": {"name": "s", "key": "a/b"}}}, "auth.apiKeySecret.key"),
+        ({"router": {"grpc": {"tokenSecret": {}}}}, "router.grpc.tokenSecret.name"),
+        ({"networkPolicy": {"clients": [{"podSelectr": {}}]}}, "networkPolicy.clients[0]"),
+        (
+            {
+                "networkPolicy": {
+                    "clients": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]
+                }
+            },
+            "networkPolicy.clients[0]",
+        ),
+        ({"networkPolicy": {"enabled": "yes"}}, "networkPolicy.enabled"),
     ],
 )
 def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str) -> None:
@@ -271,6 +319,20 @@ def test_configmap_labels_flag_parses_and_names_bad_items() -> None:
         cli._labels("a=1,nolabel")
     args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b"])
     assert args.namespace == ["a", "b"] and args.func is cli.cmd_operator
+
+
+def test_configmap_owner_flag_parses_and_names_bad_values() -> None:
+    from disaggpool.calibration import sinks
+    from disaggpool.errors import InputError
+
+    owner = sinks.pool_owner("small/1234-abcd")
+    # The same reference the operator sets (`names.owner_reference`): the probe's write changes
+    # nothing the operator created, and needs no right to set blockOwnerDeletion anew.
+    assert owner == owner_reference(PoolRef("small", "serving", "1234-abcd"))
+    assert sinks.pool_owner(None) is None and sinks.pool_owner("") is None
+    for bad in ("small", "small/", "/uid", "a/b/c"):
+        with pytest.raises(InputError, match="POOL/UID"):
+            sinks.pool_owner(bad)
 
 
 @pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
@@ -339,24 +401,215 @@ def test_a_pod_whose_current_profile_drifts_is_reprobed_and_an_old_error_is_igno
     peer = PodView("p", "prefill", "198.18.0.1", True)
     cm = {
         "metadata": {"name": "small-profile-d", "labels": {"disaggpool.io/pod": "d"},
-                     "ownerReferences": [{"uid": "x"}]},
+                     "ownerReferences": [{"kind": "DisaggPool", "uid": pool.uid}]},
         "data": {"profile.yaml": dump_profile(_pv("d").profile)},  # type: ignore[arg-type]
     }  # fmt: skip
     fitted = "2026-01-02T00:00:00Z"
 
-    def plan_with(errors: dict[str, object]) -> Any:
-        annotations = {"disaggpool.io/observed-errors": json.dumps({"pods": errors})}
-        views = [profile_view(cm, observed_errors(annotations)), _pv("p")]
+    def plan_with(*errors: dict[str, object]) -> Any:
+        report = {"observedErrors": {"pods": list(errors), "at": "x"}}  # status.router
+        views = [profile_view(cm, pool.uid, observed_errors(report)), _pv("p")]
         return plan_calibration(pool, spec, [pod, peer], views, [], NOW)
 
-    drifting = plan_with({"d": {"error": 0.45, "profile": fitted}})
+    drifting = plan_with({"pod": "d", "error": 0.45, "profile": fitted})
     assert [c.reason for c in drifting.pods if c.pod.name == "d"] == ["drift"]
     assert len(drifting.create_jobs) == 1
+    assert not drifting.create_configmaps  # re-probed into its own ConfigMap
     # Within the bound, about a profile the pod no longer has, or unreadable: nothing to do.
     for errors in (
-        {"d": {"error": 0.2, "profile": fitted}},
-        {"d": {"error": 0.9, "profile": "2025-12-31T00:00:00Z"}},
-        {"d": {"error": "high", "profile": fitted}},
+        {"pod": "d", "error": 0.2, "profile": fitted},
+        {"pod": "d", "error": 0.9, "profile": "2025-12-31T00:00:00Z"},
+        {"pod": "d", "error": "high", "profile": fitted},
+        {"pod": "d", "error": float("nan"), "profile": fitted},
+        {"error": 0.9, "profile": fitted},
     ):
         assert not plan_with(errors).create_jobs, errors
-    assert observed_errors({"disaggpool.io/observed-errors": "{oops"}) == {}
+    assert observed_errors({"observedErrors": "{oops"}) == {}
+    assert observed_errors({"observedErrors": {"pods": {"d": {"error": 0.9}}}}) == {}
+
+
+def test_a_profile_not_owned_by_this_pool_does_not_count() -> None:
+    """Labels are not enough: a ConfigMap without an owner reference to this very pool (another
+    pool's uid, none at all) is ignored, and the pod is probed as if it had none."""
+    pool, spec = _spec("small.yaml")
+    pod = PodView("p", "prefill", "198.18.0.1", True)
+    text = dump_profile(_pv("p").profile)  # type: ignore[arg-type]
+
+    def cm(owners: list[dict[str, str]]) -> dict[str, Any]:
+        md = {"name": "small-profile-p", "labels": {"disaggpool.io/pod": "p"}}
+        return {"metadata": md | {"ownerReferences": owners}, "data": {"profile.yaml": text}}
+
+    for owners in (
+        [],
+        [{"kind": "DisaggPool", "uid": "another"}],
+        [{"kind": "Job", "uid": pool.uid}],
+    ):
+        view = profile_view(cm(owners), pool.uid)
+        assert not view.owned
+        plan = plan_calibration(pool, spec, [pod], [view], [], NOW)
+        assert plan.pods[0].state == "probing" and len(plan.create_jobs) == 1
+        assert not plan.delete_configmaps  # not ours to delete either
+    ours = profile_view(cm([{"kind": "DisaggPool", "uid": pool.uid}]), pool.uid)
+    plan = plan_calibration(pool, spec, [pod], [ours], [], NOW)
+    assert plan.pods[0].state == "calibrated" and not plan.create_jobs
+
+
+def test_placeholders_are_created_once_and_deleted_with_their_pod() -> None:
+    pool, spec = _spec("small.yaml")
+    pod = PodView("p", "prefill", "198.18.0.1", True)
+    first = plan_calibration(pool, spec, [pod], [], [], NOW)
+    assert [c["metadata"]["name"] for c in first.create_configmaps] == ["small-profile-p"]
+    # The failed probe's retry writes into the same, still empty ConfigMap: not created again.
+    failed = [JobView("j1", "p", 1, "failed")]
+    again = plan_calibration(pool, spec, [pod], [], failed, NOW, [("small-profile-p", "p")])
+    assert len(again.create_jobs) == 1 and not again.create_configmaps
+    gone = plan_calibration(pool, spec, [], [], [], NOW, [("small-profile-p", "p")])
+    assert gone.delete_configmaps == ["small-profile-p"]
+
+
+def _objects(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_the_pools_api_key_reaches_engines_router_and_probe() -> None:
+    pool, spec = _spec("small.yaml", auth__apiKeySecret={"name": "pool-key"})
+    docs = render_pool(pool, spec, ["small-decode-b"])
+    deployments = _objects(docs, "Deployment")
+    secret_ref = {"secretKeyRef": {"name": "pool-key", "key": "api-key"}}
+    for name in ("small-prefill", "small-decode"):  # vLLM reads --api-key from VLLM_API_KEY
+        env = deployments[name]["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "VLLM_API_KEY", "valueFrom": secret_ref} in env
+    router = deployments["small-router"]["spec"]["template"]["spec"]
+    assert {
+        "name": "api-key",
+        "secret": {"secretName": "pool-key", "items": [{"key": "api-key", "path": "api-key"}]},
+    } in router["volumes"]
+    mounts = {m["name"]: m for m in router["containers"][0]["volumeMounts"]}
+    assert mounts["api-key"] == {
+        "name": "api-key", "mountPath": "/var/run/disaggpool/api-key", "readOnly": True,
+    }  # fmt: skip
+    assert "subPath" not in mounts["api-key"]  # a whole volume: the kubelet updates rotations
+    config = yaml.safe_load(render_router_config(pool, spec))
+    key_file = "/var/run/disaggpool/api-key/api-key"
+    assert config["auth"] == {"api_keys_file": key_file, "upstream_api_key_file": key_file}
+    pod = PodView("small-decode-b", "decode", "198.18.0.2", True)
+    job = render_calibration_job(pool, spec, pod, "198.18.0.1", 1)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["env"] == [{"name": "DISAGGPOOL_API_KEY", "valueFrom": secret_ref}]
+    # Without the field: none of it.
+    pool, plain = _spec("small.yaml")
+    text = json.dumps(
+        [*render_pool(pool, plain), render_calibration_job(pool, plain, pod, None, 1)]
+    )
+    assert "VLLM_API_KEY" not in text and "DISAGGPOOL_API_KEY" not in text
+    assert "auth" not in yaml.safe_load(render_router_config(pool, plain))
+
+
+def test_grpc_listens_beyond_loopback_only_with_a_token() -> None:
+    for token in (None, {"name": "grpc", "key": "t"}):
+        overrides = {"router__grpc": {"tokenSecret": token}} if token else {}
+        pool, spec = _spec("small.yaml", **overrides)
+        docs = render_pool(pool, spec)
+        config = yaml.safe_load(render_router_config(pool, spec))
+        service = _objects(docs, "Service")["small-router"]
+        router = _objects(docs, "Deployment")["small-router"]["spec"]["template"]["spec"]
+        ports = {p["name"] for p in router["containers"][0]["ports"]}
+        exposed = {p["name"] for p in service["spec"]["ports"]}
+        if token is None:
+            assert config["listen"]["grpc"] == "127.0.0.1:50051" and "grpc" not in config
+            assert "grpc" not in ports and exposed == {"http"}
+        else:
+            assert config["listen"]["grpc"] == "0.0.0.0:50051"
+            assert config["grpc"] == {"token_file": "/var/run/disaggpool/grpc-token/token"}
+            assert "grpc" in ports and exposed == {"http", "grpc"}
+            volume = next(v for v in router["volumes"] if v["name"] == "grpc-token")
+            assert volume["secret"] == {
+                "secretName": "grpc", "items": [{"key": "t", "path": "token"}],
+            }  # fmt: skip
+
+
+def test_the_drift_bound_reaches_the_router() -> None:
+    pool, spec = _spec("small.yaml", calibration__maxPredictionError=0.25)
+    config = yaml.safe_load(render_router_config(pool, spec))
+    assert config["drift"] == {"pool": {"namespace": "serving", "name": "small"}, "max_error": 0.25}
+    assert config["profiles"]["kubernetes"]["owner"] == "small"
+
+
+def test_the_full_security_config_is_accepted_by_the_sidecar() -> None:
+    """Auth, a gRPC token, drift and the owner filter, through the sidecar's own parser."""
+    pool, spec = _spec(
+        "small.yaml",
+        auth__apiKeySecret={"name": "k"},
+        router__grpc={"tokenSecret": {"name": "g"}},
+        calibration__maxPredictionError=0.3,
+    )
+    cfg = parse_config(yaml.safe_load(render_router_config(pool, spec)), "sidecar.yaml")
+    assert cfg.profiles_kubernetes is not None and cfg.profiles_kubernetes.owner == "small"
+    assert cfg.drift is not None and cfg.drift.pool_name == "small"
+
+
+def test_network_policies_select_the_pods_they_mean() -> None:
+    pool, spec = _spec("small.yaml")
+    assert not _objects(render_pool(pool, spec), "NetworkPolicy")  # optional, off by default
+    clients = [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]
+    pool, spec = _spec(
+        "small.yaml",
+        networkPolicy={"enabled": True, "clients": clients},
+        router__prefixIndex=True,
+        router__kvEvents=True,
+    )
+    docs = render_pool(pool, spec)
+    policies = _objects(docs, "NetworkPolicy")
+    assert sorted(policies) == ["small-engines", "small-probe", "small-router"]
+    pod_labels = {
+        name: d["spec"]["template"]["metadata"]["labels"]
+        for name, d in _objects(docs, "Deployment").items()
+    }
+    job = render_calibration_job(pool, spec, PodView("p", "prefill", "1.1.1.1", True), None, 1)
+    pod_labels["probe"] = job["spec"]["template"]["metadata"]["labels"]
+
+    def selected(selector: dict[str, Any]) -> set[str]:
+        return {
+            n
+            for n, labels in pod_labels.items()
+            if matches({"metadata": {"labels": labels}}, selector["matchLabels"])
+        }
+
+    engines = policies["small-engines"]["spec"]
+    assert selected(engines["podSelector"]) == {"small-prefill", "small-decode"}
+    router_rule, probe_rule, peer_rule = engines["ingress"]
+    assert selected(router_rule["from"][0]["podSelector"]) == {"small-router"}
+    assert router_rule["ports"] == [
+        {"protocol": "TCP", "port": 8000},
+        {"protocol": "TCP", "port": 5557},
+    ]
+    assert selected(probe_rule["from"][0]["podSelector"]) == {"probe"}
+    assert probe_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # Engines reach each other on every port: NIXL's side channel and the KV transfer itself.
+    assert selected(peer_rule["from"][0]["podSelector"]) == {"small-prefill", "small-decode"}
+    assert "ports" not in peer_rule
+    router = policies["small-router"]["spec"]
+    assert selected(router["podSelector"]) == {"small-router"}
+    assert router["ingress"] == [{"from": clients, "ports": [{"protocol": "TCP", "port": 8000}]}]
+    probe = policies["small-probe"]["spec"]
+    assert selected(probe["podSelector"]) == {"probe"} and probe["ingress"] == []
+    for policy in policies.values():
+        assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open
+    # No clients named: the pool's own namespace.
+    pool, spec = _spec("small.yaml", networkPolicy={"enabled": True})
+    (rule,) = _objects(render_pool(pool, spec), "NetworkPolicy")["small-router"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]
+
+
+def test_restricted_engines_get_a_writable_home_and_tmp() -> None:
+    pool, spec = _spec("small.yaml", engine__podSecurity="restricted")
+    decode = _objects(render_pool(pool, spec), "Deployment")["small-decode"]
+    pod = decode["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert (env["HOME"], env["USER"]) == ("/home/vllm", "vllm")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["home"] == {"name": "home", "emptyDir": {}}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}

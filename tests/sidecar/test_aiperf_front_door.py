@@ -16,7 +16,6 @@ aiperf is installed from PyPI on first use under ``$DISAGGPOOL_PEER_ROOT`` (defa
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -26,12 +25,12 @@ from typing import Any
 import pytest
 from sidecar_testkit import A40, MODEL
 
+import peerkit
 from disaggpool.cli import main as disaggpool_main
 from disaggpool.core.stats import percentile
 from disaggpool.wordtokenizer import FIRST_WORD_ID, Tokenizer
 
 AIPERF = "0.13.0"
-PEER_ROOT = Path(os.environ.get("DISAGGPOOL_PEER_ROOT", "/var/cache/disaggpool/peers"))
 REQUESTS = 40
 RATE_RPS = 2.0
 # Two clients, one after the other, on the same idle pool with zero-jitter engines: what is left
@@ -40,27 +39,9 @@ TTFT_TOLERANCE = 0.20  # relative, on the median
 TPOT_TOLERANCE = 0.05
 
 
-def _required() -> bool:
-    return os.environ.get("DISAGGPOOL_REQUIRE_PEERS") == "1" or os.environ.get("CI") == "true"
-
-
 @pytest.fixture(scope="module")
 def aiperf() -> Path:
-    venv = PEER_ROOT / f"aiperf-{AIPERF}"
-    exe = venv / "bin" / "aiperf"
-    if not exe.exists():
-        try:
-            venv.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-            pip = [str(venv / "bin" / "pip"), "install", "--quiet", f"aiperf=={AIPERF}"]
-            subprocess.run(pip, check=True, capture_output=True, text=True, timeout=900)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            message = f"aiperf {AIPERF} could not be installed in {venv}: {detail}"
-            if _required():
-                pytest.fail(message)
-            pytest.skip(message)
-    return exe
+    return peerkit.installed("aiperf", AIPERF)
 
 
 def _trace() -> list[tuple[float, int, int]]:

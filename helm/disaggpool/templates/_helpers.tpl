@@ -32,3 +32,50 @@ app.kubernetes.io/name: disaggpool
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
+
+{{- /* The operator's cluster-only rules (manifests/02-rbac.yaml says why each is needed). */}}
+{{- define "disaggpool.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end -}}
+
+{{- /* The operator's namespaced rules (manifests/02-rbac.yaml says why each is needed). */}}
+{{- define "disaggpool.namespacedRules" -}}
+- apiGroups: [disaggpool.io]
+  resources: [disaggpools]
+  verbs: [get, list, watch, patch]
+- apiGroups: [disaggpool.io]
+  resources: [disaggpools/status]
+  verbs: [get, patch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, create, patch, delete]
+{{- end -}}

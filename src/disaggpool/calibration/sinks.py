@@ -2,8 +2,12 @@
 
 The probe runs as a Kubernetes Job; the operator and the router read the ConfigMap it writes
 (the profile under `labels.PROFILE_KEY`). The write goes through `kubeclient` with the pod's
-service-account token (create, or merge-patch on a re-probe); outside a cluster `KUBERNETES_API`
-and `KUBERNETES_TOKEN`, or a kubeconfig, point it at any API server (tests use that). Called by
+service-account token: a merge-patch of the ConfigMap the operator created for it (the probe's
+Role may patch that one and may not create any), or a create where none exists (a probe run by
+hand with broader rights). With `owner` (``--configmap-owner POOL/UID``) the ConfigMap carries an
+owner reference to that DisaggPool: the router counts only its own pool's profiles. Outside a
+cluster `KUBERNETES_API` and `KUBERNETES_TOKEN`, or a kubeconfig, point it at any API server
+(tests use that). Called by
 the `disaggpool calibrate` command, which is synchronous: `write_configmap` runs the async client
 on its own event loop, so it must not be called from a running loop's thread.
 """
@@ -19,11 +23,12 @@ from pathlib import Path
 import aiohttp
 
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.errors import InputError
 from disaggpool.formats.profiles import dump_profile
 from disaggpool.kubeclient import ApiError, Kube, KubeUnavailable, load_credentials
-from disaggpool.labels import PROFILE_KEY, REPORT_KEY
+from disaggpool.labels import API_VERSION, KIND, PROFILE_KEY, REPORT_KEY
 
-__all__ = ["SinkError", "write_configmap", "write_profile"]
+__all__ = ["SinkError", "pool_owner", "write_configmap", "write_profile"]
 
 
 class SinkError(RuntimeError):
@@ -45,13 +50,35 @@ def write_profile(profile: CalibrationProfile, out: str) -> None:
         raise SinkError(f"{out}: cannot write: {exc.strerror or exc}") from None
 
 
+def pool_owner(text: str | None) -> dict[str, object] | None:
+    """``POOL/UID`` (the --configmap-owner flag) -> the owner reference to that DisaggPool; the
+    same one the operator puts on what it creates (a controller reference), so that a probe's
+    write changes nothing the operator set."""
+    if not text:
+        return None
+    name, sep, uid = text.partition("/")
+    if not sep or not name or not uid or "/" in uid:
+        raise InputError("--configmap-owner", text, "expected POOL/UID")
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
 def write_configmap(
     profile: CalibrationProfile,
     target: str,
     report: Mapping[str, object],
     labels: Mapping[str, str] | None = None,
+    *,
+    owner: Mapping[str, object] | None = None,
 ) -> None:
-    """Create or replace ConfigMap `namespace/name` holding the profile and the fit report."""
+    """Write ConfigMap `namespace/name` holding the profile and the fit report (patch, else
+    create), owned by `owner` when given (`pool_owner`)."""
     namespace, _, name = target.partition("/")
     if not namespace or not name:
         raise SinkError(f"--configmap: expected NAMESPACE/NAME, got {target!r}")
@@ -64,7 +91,7 @@ def write_configmap(
     async def send() -> None:
         kube = Kube(credentials)
         try:
-            await kube.create_or_patch_configmap(namespace, name, data, labels)
+            await kube.create_or_patch_configmap(namespace, name, data, labels, owner=owner)
         finally:
             await kube.close()
 

@@ -167,23 +167,32 @@ class Kube:
         name: str,
         data: Mapping[str, str],
         labels: Mapping[str, str] | None = None,
+        *,
+        owner: Mapping[str, Any] | None = None,
     ) -> str:
-        """Create ConfigMap `namespace/name`, or merge-patch its data and labels if it exists
-        (a re-probe); returns "created" or "patched"."""
-        body = {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
-            "data": dict(data),
-        }
+        """Merge-patch ConfigMap `namespace/name` with `data` and `labels` (and `owner` as its
+        only owner reference), or create it when it does not exist; returns "patched" or
+        "created". Patch first: the probe's Role may patch its own ConfigMap, which the
+        operator creates beforehand, and may not create any."""
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        metadata["labels"] = dict(labels or {})
+        if owner is not None:
+            metadata["ownerReferences"] = [dict(owner)]
+        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": dict(data)}
+        try:
+            await self.merge_patch(path_for("v1", "ConfigMap", namespace, name), body)
+            return "patched"
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
         try:
             await self.create(path_for("v1", "ConfigMap", namespace), body)
-            return "created"
         except ApiError as exc:
-            if exc.status != 409:
+            if exc.status != 409:  # created meanwhile: patch it
                 raise
-        await self.merge_patch(path_for("v1", "ConfigMap", namespace, name), body)
-        return "patched"
+            await self.merge_patch(path_for("v1", "ConfigMap", namespace, name), body)
+            return "patched"
+        return "created"
 
     async def event(
         self,

@@ -25,6 +25,7 @@ _PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "DisaggPool": "disaggpools",
+    "NetworkPolicy": "networkpolicies",
 }
 
 

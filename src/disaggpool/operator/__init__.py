@@ -7,7 +7,7 @@ Modules, in data-flow order (docs/operator.md has the picture):
 * `render`   -- the pool's workloads from (pool, spec): vLLM Deployments and Services, the router,
   RBAC (pure, tested with golden files);
 * `observed` -- pods, profile ConfigMaps and probe Jobs read back, as small views (pure);
-* `calibration_plan` -- which pods need a probe, the probe Job, what to prune or adopt (pure);
+* `calibration_plan` -- which pods need a probe, its Job and ConfigMap, what to prune (pure);
 * `status`   -- the CR's status and conditions (pure);
 * `reconcile` -- one idempotent reconcile pass of a pool, through `disaggpool.kubeclient`;
 * `handlers` -- the Kopf wiring: which events trigger a reconcile, coalescing per pool.

@@ -3,8 +3,14 @@
 `plan_calibration` looks at the pool's pods, profile ConfigMaps and probe Jobs (`observed` views)
 and decides per pod: keep its profile, wait for its running probe, start a probe (a Job running
 `disaggpool calibrate` against the pod, writing ConfigMap `<pool>-profile-<pod>`), or give up after
-`maxAttempts` failures. It also lists the profiles and Jobs of deleted pods to delete and the
-probe-written ConfigMaps to adopt. `reconcile` executes the plan; `status` reports it.
+`maxAttempts` failures. It also lists the profiles and Jobs of deleted pods to delete.
+`reconcile` executes the plan; `status` reports it.
+
+The probe may patch only its pod's ConfigMap, by name (`render.probe_rules`): it may not create
+one. So before a pod's first probe the plan creates that ConfigMap empty, owned by the pool and
+without the profile label (`render_profile_placeholder`): neither the router nor the operator
+counts it as a profile until the probe has written one and labelled it. The probe's own write
+carries the same owner reference (``--configmap-owner``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from disaggpool.labels import (
     ATTEMPT_LABEL,
     COMPONENT_CALIBRATION,
     POD_LABEL,
+    POOL_LABEL,
     PROBE_JOB_LABELS,
     PROFILE_LABELS,
     format_selector,
@@ -26,13 +33,18 @@ from disaggpool.labels import (
 from disaggpool.operator.names import (
     PoolRef,
     job_name,
+    owner_reference,
     pool_labels,
     profile_configmap_name,
     service_account_name,
     stamp,
 )
 from disaggpool.operator.observed import JobView, PodView, ProfileView
-from disaggpool.operator.render import container_security_context, pod_security_context
+from disaggpool.operator.render import (
+    API_KEY_ENV,
+    container_security_context,
+    pod_security_context,
+)
 from disaggpool.operator.spec import PoolSpec
 
 __all__ = [
@@ -41,6 +53,7 @@ __all__ = [
     "PodCalibration",
     "plan_calibration",
     "render_calibration_job",
+    "render_profile_placeholder",
 ]
 
 # Jobs kept per pod: the trailing failures (they count attempts) plus this many older ones.
@@ -81,6 +94,9 @@ def render_calibration_job(
         f"{pool.namespace}/{cm}",
         "--configmap-labels",
         format_selector(of_pool(pool.name, PROFILE_LABELS, **{POD_LABEL: pod.name})),
+        # The ConfigMap's owner: the router counts only profiles owned by its pool.
+        "--configmap-owner",
+        f"{pool.name}/{pool.uid}",
         "--out",
         "-",
         "--budget-seconds",
@@ -94,6 +110,25 @@ def render_calibration_job(
         # A poor fit is kept: the Job succeeds, so Kubernetes does not run the probe again (its
         # backoffLimit) and overwrite the profile with another measurement.
         args.append("--accept-poor")
+    container: dict[str, Any] = {
+        "name": "probe",
+        "image": c.image,
+        "command": ["disaggpool"],
+        "args": args,
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "securityContext": container_security_context(),
+    }
+    if spec.auth.api_key is not None:  # the pods require the key (VLLM_API_KEY)
+        key = spec.auth.api_key
+        container["env"] = [
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}},
+            }
+        ]
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -108,24 +143,27 @@ def render_calibration_job(
                     "restartPolicy": "Never",
                     "serviceAccountName": service_account_name(pool, "probe"),
                     "securityContext": pod_security_context(),
-                    "containers": [
-                        {
-                            "name": "probe",
-                            "image": c.image,
-                            "command": ["disaggpool"],
-                            "args": args,
-                            "resources": {
-                                "requests": {"cpu": "500m", "memory": "256Mi"},
-                                "limits": {"memory": "1Gi"},
-                            },
-                            "securityContext": container_security_context(),
-                        }
-                    ],
+                    "containers": [container],
                 },
             },
         },
     }
     return stamp(job, pool)
+
+
+def render_profile_placeholder(pool: PoolRef, pod: str) -> dict[str, Any]:
+    """The empty ConfigMap a pod's probe writes its profile into, created before the probe: owned
+    by the pool, labelled with its pool and pod but not yet as a profile (the probe adds that)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": profile_configmap_name(pool, pod),
+            "namespace": pool.namespace,
+            "labels": {POOL_LABEL: pool.name, POD_LABEL: pod},
+            "ownerReferences": [owner_reference(pool)],
+        },
+    }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,7 +184,7 @@ class CalibrationPlan:
     create_jobs: list[dict[str, Any]]
     delete_jobs: list[str]
     delete_configmaps: list[str]
-    adopt_configmaps: list[str]
+    create_configmaps: list[dict[str, Any]]  # placeholders the new probes write into
     pods: list[PodCalibration]
 
 
@@ -173,10 +211,15 @@ def plan_calibration(
     profiles: Iterable[ProfileView],
     jobs: Iterable[JobView],
     now: dt.datetime,
+    placeholders: Iterable[tuple[str, str]] = (),
 ) -> CalibrationPlan:
-    """Decide per pod: keep its profile, wait for its probe, start a probe, or give up."""
+    """Decide per pod: keep its profile, wait for its probe, start a probe, or give up.
+
+    `profiles`: the pool's profile ConfigMaps (those not owned by this pool are ignored);
+    `placeholders`: (ConfigMap, pod) of the pool's ConfigMaps awaiting a probe's profile."""
     pods = sorted(pods, key=lambda p: p.name)
-    by_pod_profile = {v.pod: v for v in profiles if v.pod}
+    by_pod_profile = {v.pod: v for v in profiles if v.pod and v.owned}
+    waiting = dict((pod, cm) for cm, pod in placeholders)
     jobs_by_pod: dict[str, list[JobView]] = {}
     for j in jobs:
         jobs_by_pod.setdefault(j.pod, []).append(j)
@@ -188,8 +231,9 @@ def plan_calibration(
     for pod_name, pv in sorted(by_pod_profile.items()):
         if pod_name not in live:
             plan.delete_configmaps.append(pv.configmap)
-        elif not pv.owned:
-            plan.adopt_configmaps.append(pv.configmap)
+    for pod_name, cm in sorted(waiting.items()):
+        if pod_name not in live and cm not in plan.delete_configmaps:
+            plan.delete_configmaps.append(cm)
     for pod_name, js in sorted(jobs_by_pod.items()):
         if pod_name not in live:
             plan.delete_jobs += [j.name for j in js]
@@ -240,6 +284,8 @@ def plan_calibration(
         else:
             attempt = (js[-1].attempt + 1) if js else 1
             job = render_calibration_job(pool, spec, pod, peer, attempt)
+            if view is None and pod.name not in waiting:
+                plan.create_configmaps.append(render_profile_placeholder(pool, pod.name))
             plan.create_jobs.append(job)
             plan.pods.append(PodCalibration(pod, "probing", reason, view, job["metadata"]["name"]))
     return plan

@@ -7,9 +7,20 @@ of passes, not 16, and two passes of one pool never race. A periodic resync re-m
 (profiles go stale with time, not with events). Only watch-event handlers are used, so Kopf adds no
 finalizers: deleting a pool never waits for the operator, owner references clean up.
 
+The router's report on a pool (``status.router``: its decode recommendation, its pods' drift
+errors) arrives as a DisaggPool watch event like any other change, so it triggers a pass too.
+
+Health (``disaggpool operator --liveness URL``, Kopf's endpoint): Kopf serves it once the startup
+handler has run; `_loops_alive` fails it when the resync loop has died, so the kubelet restarts
+the operator (its liveness probe); reconcile errors never kill a worker (logged, retried with
+backoff). The operator serves no traffic, so its readiness probe asks the same endpoint: ready
+means started and alive (docs/operator.md, "Probes").
+
 Settings (environment): DISAGGPOOL_IMAGE (the image the router and probe Jobs run; the operator's
 own), DISAGGPOOL_RESYNC_SECONDS (default 60). Run with ``disaggpool operator`` (kopf run of this
-module; ``--all-namespaces`` by default).
+module; ``--all-namespaces`` by default). With ``--namespace`` (`watch_namespaces`) it touches
+nothing outside those namespaces (a namespaced Role in each suffices: Kopf does not scan
+namespaces or CRDs, the resync lists each namespace's pools).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import asyncio
 import logging
 import os
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
@@ -35,7 +47,7 @@ from disaggpool.labels import (
 )
 from disaggpool.operator.reconcile import pool_path, reconcile
 
-__all__ = ["DEFAULT_IMAGE", "Coalescer"]
+__all__ = ["DEFAULT_IMAGE", "Coalescer", "watch_namespaces"]
 
 log = logging.getLogger("disaggpool.operator")
 
@@ -82,6 +94,11 @@ class Coalescer:
                     self._dirty[key] = True
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, 30.0)
+                except Exception:  # a bug: logged with its traceback, retried like the above
+                    log.exception("reconcile %s/%s raised; retrying", *key)
+                    self._dirty[key] = True
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, 30.0)
         finally:
             del self._workers[key]
 
@@ -92,7 +109,12 @@ class Coalescer:
         await self.kube.close()
 
 
-_state: dict[str, Any] = {}
+_state: dict[str, Any] = {"namespaces": ()}
+
+
+def watch_namespaces(namespaces: Sequence[str]) -> None:
+    """Serve only these namespaces (empty: all of them); set before `kopf.run`."""
+    _state["namespaces"] = tuple(namespaces)
 
 
 def _coalescer() -> Coalescer:
@@ -101,16 +123,23 @@ def _coalescer() -> Coalescer:
 
 
 async def _resync(period: float) -> None:
+    """Re-mark every pool every `period`; listed per watched namespace (or cluster-wide), so a
+    namespaced Role suffices. Never ends on an error: a dead resync fails the liveness probe."""
+    scopes: tuple[str | None, ...] = _state["namespaces"] or (None,)
     while True:
         await asyncio.sleep(period)
-        try:
-            items = await _coalescer().kube.list(pool_path(None), {})
-        except (TimeoutError, ApiError, OSError) as exc:
-            log.warning("resync list failed: %s", exc)
-            continue
-        for item in items:
-            md = item.get("metadata") or {}
-            _coalescer().trigger(md.get("namespace", ""), md.get("name", ""))
+        for scope in scopes:
+            try:
+                items = await _coalescer().kube.list(pool_path(scope), {})
+            except (TimeoutError, ApiError, OSError) as exc:
+                log.warning("resync list of %s failed: %s", scope or "all namespaces", exc)
+                continue
+            except Exception:
+                log.exception("resync list of %s raised", scope or "all namespaces")
+                continue
+            for item in items:
+                md = item.get("metadata") or {}
+                _coalescer().trigger(md.get("namespace", ""), md.get("name", ""))
 
 
 @kopf.on.startup()
@@ -121,10 +150,24 @@ async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.connect_timeout = 30
+    if _state["namespaces"]:
+        # Only the named namespaces: no cluster-wide listing of namespaces or CRDs (a
+        # namespaced Role cannot grant it, and the names are fixed at start anyway).
+        settings.scanning.disabled = True
     image = os.environ.get("DISAGGPOOL_IMAGE", DEFAULT_IMAGE)
     _state["coalescer"] = Coalescer(Kube.from_environment(), image)
     period = float(os.environ.get("DISAGGPOOL_RESYNC_SECONDS", "60"))
     _state["resync"] = asyncio.create_task(_resync(period))
+
+
+@kopf.on.probe(id="loops")
+async def _loops_alive(**_: Any) -> dict[str, int]:
+    """Liveness: the resync loop runs (each pool's worker restarts on its next trigger)."""
+    task = _state.get("resync")
+    if task is None or task.done():
+        raise kopf.PermanentError("the resync loop has stopped")
+    c = _coalescer()
+    return {"passes": c.passes, "pools_in_progress": len(c._workers)}
 
 
 @kopf.on.cleanup()

@@ -130,7 +130,11 @@ def job_name(pool: PoolRef, pod: str, attempt: int) -> str:
     return f"{pool.name}-cal-{hashlib.sha256(pod.encode()).hexdigest()[:10]}-{attempt}"
 
 
-def router_endpoint(pool: PoolRef) -> dict[str, str]:
-    """Where clients reach the pool's router (the status's ``routerEndpoint``)."""
+def router_endpoint(pool: PoolRef, grpc: bool = True) -> dict[str, str]:
+    """Where clients reach the pool's router (the status's ``routerEndpoint``); `grpc` False:
+    the router's gRPC port listens on its loopback only and the Service does not expose it."""
     host = f"{router_name(pool)}.{pool.namespace}.svc"
-    return {"http": f"http://{host}:{ROUTER_HTTP_PORT}", "grpc": f"{host}:{ROUTER_GRPC_PORT}"}
+    out = {"http": f"http://{host}:{ROUTER_HTTP_PORT}"}
+    if grpc:
+        out["grpc"] = f"{host}:{ROUTER_GRPC_PORT}"
+    return out

@@ -2,13 +2,20 @@
 
 `reconcile` lists a pool's pods, profile ConfigMaps and probe Jobs and turns each into a view
 here; `calibration_plan` decides on the views and `status` reports them. A profile ConfigMap that
-does not parse becomes a view carrying the error (the pod is then re-probed), never an exception.
+does not parse becomes a view carrying the error (the pod is then re-probed and the operator
+leaves a `ProfileRejected` Event), never an exception. A profile counts only when the ConfigMap
+is owned by this very pool (an owner reference with its uid: the operator creates it, the probe
+writes it): one carrying the labels without that is not this pool's and is ignored.
+
+What the router tells the operator is on the pool's ``status.router`` (`router_report`), written
+by the router through the status subresource (`sidecar.pool_writer`): ``decodeRecommendation``
+(`operator.scaling`) and ``observedErrors`` (`observed_errors`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,11 +28,13 @@ from disaggpool.kubeclient import pod_ready
 from disaggpool.labels import (
     ATTEMPT_LABEL,
     GPU_TYPE_ANNOTATION,
-    OBSERVED_ERRORS_ANNOTATION,
+    KIND,
+    OBSERVED_ERRORS_KEY,
     POD_LABEL,
     PROFILE_KEY,
     ROLE_LABEL,
     ROLES,
+    ROUTER_STATUS_KEY,
     VARIANT_LABEL,
 )
 
@@ -35,8 +44,10 @@ __all__ = [
     "ProfileView",
     "job_view",
     "observed_errors",
+    "owned_by",
     "pod_view",
     "profile_view",
+    "router_report",
 ]
 
 
@@ -81,35 +92,54 @@ class ProfileView:
     profile: CalibrationProfile | None
     error: str = ""
     observed_error: float | None = None
-    owned: bool = True
+    owned: bool = True  # owned by this pool: only then does it count
 
 
-def observed_errors(pool_annotations: Mapping[str, Any]) -> dict[str, tuple[float, str]]:
-    """The router's per-pod prediction errors on its pool (``disaggpool.io/observed-errors``):
-    pod -> (error, fitted_at of the profile it is about). Whatever does not parse is skipped: a
-    missing error re-probes nothing."""
-    raw = pool_annotations.get(OBSERVED_ERRORS_ANNOTATION)
-    try:
-        pods = json.loads(raw).get("pods") if raw else None
-    except (TypeError, ValueError, AttributeError):
-        return {}
+def router_report(pool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The router's ``status.router`` on a pool object ({} when it has written none)."""
+    report = (pool.get("status") or {}).get(ROUTER_STATUS_KEY)
+    return report if isinstance(report, Mapping) else {}
+
+
+def owned_by(obj: Mapping[str, Any], pool_uid: str) -> bool:
+    """Whether `obj` carries an owner reference to the DisaggPool with uid `pool_uid`."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return bool(pool_uid) and any(
+        isinstance(r, Mapping) and r.get("kind") == KIND and r.get("uid") == pool_uid for r in refs
+    )
+
+
+def observed_errors(report: Mapping[str, Any]) -> dict[str, tuple[float, str]]:
+    """The router's per-pod prediction errors (`router_report`'s ``observedErrors``:
+    ``{"pods": [{"pod", "error", "profile"}], "at"}``): pod -> (error, fitted_at of the profile it
+    is about). Whatever does not parse is skipped: a missing error re-probes nothing."""
+    doc = report.get(OBSERVED_ERRORS_KEY)
+    pods = doc.get("pods") if isinstance(doc, Mapping) else None
     out = {}
-    for pod, item in (pods or {}).items() if isinstance(pods, Mapping) else ():
-        error = item.get("error") if isinstance(item, Mapping) else None
-        if isinstance(error, int | float) and not isinstance(error, bool) and error >= 0:
+    for item in pods if isinstance(pods, list) else ():
+        if not isinstance(item, Mapping) or not isinstance(item.get("pod"), str):
+            continue
+        pod, error = item["pod"], item.get("error")
+        if (
+            isinstance(error, int | float)
+            and not isinstance(error, bool)
+            and math.isfinite(error)
+            and error >= 0
+        ):
             out[str(pod)] = (float(error), str(item.get("profile", "")))
     return out
 
 
 def profile_view(
-    cm: Mapping[str, Any], errors: Mapping[str, tuple[float, str]] | None = None
+    cm: Mapping[str, Any], pool_uid: str, errors: Mapping[str, tuple[float, str]] | None = None
 ) -> ProfileView:
-    """A profile ConfigMap; `errors` (`observed_errors`) gives its pod's observed error when it
-    is about this very profile (same fitted_at), never about one it replaced."""
+    """A profile ConfigMap of the pool with uid `pool_uid`; `errors` (`observed_errors`) gives its
+    pod's observed error when it is about this very profile (same fitted_at), never about one it
+    replaced."""
     md = cm.get("metadata") or {}
     name = str(md.get("name", ""))
     pod = str((md.get("labels") or {}).get(POD_LABEL, ""))
-    owned = bool(md.get("ownerReferences"))
+    owned = owned_by(cm, pool_uid)
     text = (cm.get("data") or {}).get(PROFILE_KEY)
     if not text:
         return ProfileView(name, pod, None, f"no {PROFILE_KEY} yet", None, owned)

@@ -7,6 +7,10 @@ is reported as the `Degraded` condition plus a Warning event and is otherwise ig
 rendered from the last valid spec (remembered in an annotation on the pool) keep running and keep
 being calibrated. Calls the pure modules (`render`, `observed`, `calibration_plan`, `status`)
 and `disaggpool.kubeclient` (I/O); `handlers` decides when to call it.
+
+The pool's status is the operator's except ``status.router``, the router's report (its decode
+recommendation and drift errors, written through the status subresource): a pass reads it and
+never writes or removes it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from disaggpool.kubeclient import ApiError, Kube, path_for, pod_ready
+from disaggpool.kubeclient import ApiError, Kube, matches, path_for, pod_ready
 from disaggpool.labels import (
     API_VERSION,
     APPLIED_SPEC_ANNOTATION,
@@ -31,13 +35,23 @@ from disaggpool.labels import (
     POD_LABEL,
     POOL_LABEL,
     PROBE_JOB_LABELS,
+    PROFILE_LABEL,
     PROFILE_LABELS,
+    ROUTER_STATUS_KEY,
     SPEC_HASH_ANNOTATION,
     of_pool,
 )
 from disaggpool.operator.calibration_plan import CalibrationPlan, plan_calibration
-from disaggpool.operator.names import PoolRef, owner_reference
-from disaggpool.operator.observed import job_view, observed_errors, pod_view, profile_view
+from disaggpool.operator.names import PoolRef, service_account_name
+from disaggpool.operator.observed import (
+    PodView,
+    job_view,
+    observed_errors,
+    owned_by,
+    pod_view,
+    profile_view,
+    router_report,
+)
 from disaggpool.operator.render import render_pool
 from disaggpool.operator.scaling import DecodeScale, decode_scale, with_decode_replicas
 from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
@@ -56,6 +70,7 @@ _PRUNABLE = (
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 # Merge patches never remove keys; these optional pod-template fields must be cleared explicitly
 # when the spec drops them (lists such as containers or env are replaced wholesale anyway).
@@ -121,12 +136,21 @@ async def _apply(kube: Kube, obj: Mapping[str, Any]) -> str:
     return "updated"
 
 
+# Status keys a pass never writes or removes: the router's report, and Kopf's own bookkeeping.
+_NOT_OURS = frozenset({ROUTER_STATUS_KEY, "kopf"})
+
+
 def _status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    patch = {k: v for k, v in new.items() if old.get(k) != v}
+    patch = {k: v for k, v in new.items() if old.get(k) != v and k not in _NOT_OURS}
     for key in old:
-        if key not in new and key != "kopf":
+        if key not in new and key not in _NOT_OURS:
             patch[key] = None
     return patch
+
+
+def _engine_pod_names(pods: list[PodView]) -> list[str]:
+    """The engine pods a probe may run against: whose profile ConfigMap the probe may patch."""
+    return [p.name for p in pods if not p.deleting]
 
 
 async def reconcile(
@@ -168,6 +192,14 @@ async def reconcile(
             log.warning("event %s on %s/%s not recorded: %s", reason, namespace, name, exc)
 
     applied_generation = previous.get("appliedGeneration")
+    report = router_report(cr)  # what the router wrote on the status: recommendation, drift
+    pods_raw, cms_raw, jobs_raw = await asyncio.gather(
+        kube.list(path_for("v1", "Pod", namespace), {POOL_LABEL: name}),
+        kube.list(path_for("v1", "ConfigMap", namespace), {POOL_LABEL: name}),
+        kube.list(path_for("batch/v1", "Job", namespace), of_pool(name, PROBE_JOB_LABELS)),
+    )
+    pods = [v for v in map(pod_view, pods_raw) if v is not None]
+    engine_pods = _engine_pod_names(pods)
     if issues:
         message = "; ".join(str(i) for i in issues)
         conds: list[Mapping[str, Any]] = list(previous.get("conditions") or [])
@@ -176,10 +208,16 @@ async def reconcile(
             message
         ):
             await note("InvalidSpec", message, warning=True)
+        if effective is not None and effective.calibration.enabled:
+            # The last applied spec keeps being calibrated: its probe's Role follows the pods.
+            probe_role = f"Role {service_account_name(pool, 'probe')}"
+            for obj in render_pool(pool, effective, engine_pods):
+                if _ident(obj) == probe_role and await _apply(kube, obj) == "updated":
+                    result.updated.append(_ident(obj))
     elif spec is not None:
-        scale = decode_scale(spec, annotations, previous.get("autoscaling"))
+        scale = decode_scale(spec, report, previous.get("autoscaling"))
         await _note_scale(scale, previous, note)
-        desired = render_pool(pool, with_decode_replicas(spec, scale.replicas))
+        desired = render_pool(pool, with_decode_replicas(spec, scale.replicas), engine_pods)
         outcomes = {}
         # In waves: a RoleBinding is refused (404) until its Role exists, and pods should not
         # start before their ServiceAccount and config exist. Within a wave, in parallel.
@@ -209,12 +247,6 @@ async def reconcile(
             )
         applied_generation = pool.generation
 
-    pods_raw, cms_raw, jobs_raw = await asyncio.gather(
-        kube.list(path_for("v1", "Pod", namespace), {POOL_LABEL: name}),
-        kube.list(path_for("v1", "ConfigMap", namespace), of_pool(name, PROFILE_LABELS)),
-        kube.list(path_for("batch/v1", "Job", namespace), of_pool(name, PROBE_JOB_LABELS)),
-    )
-    pods = [v for v in map(pod_view, pods_raw) if v is not None]
     router_ready = sum(
         1
         for p in pods_raw
@@ -222,20 +254,29 @@ async def reconcile(
         and pod_ready(p)
     )
     plan = None
-    errors = observed_errors(annotations)  # the router's, per pod (calibration.maxPredictionError)
+    errors = observed_errors(report)  # the router's, per pod (calibration.maxPredictionError)
+    profiles = [c for c in cms_raw if matches(c, of_pool(name, PROFILE_LABELS))]
+    placeholders = [
+        (str(c["metadata"]["name"]), str(c["metadata"]["labels"][POD_LABEL]))
+        for c in cms_raw
+        if POD_LABEL in ((c.get("metadata") or {}).get("labels") or {})
+        and PROFILE_LABEL not in c["metadata"]["labels"]
+        and owned_by(c, pool.uid)
+    ]
     if effective is not None:
         plan = plan_calibration(
             pool,
             effective,
             pods,
-            [profile_view(c, errors) for c in cms_raw],
+            [profile_view(c, pool.uid, errors) for c in profiles],
             [j for j in map(job_view, jobs_raw) if j is not None],
             now,
+            placeholders,
         )
         await _execute(kube, pool, plan, result, note, previous)
 
     if effective is not None and scale is None:  # an invalid spec: the last one applied runs
-        scale = decode_scale(effective, annotations, previous.get("autoscaling"))
+        scale = decode_scale(effective, report, previous.get("autoscaling"))
     in_force = with_decode_replicas(effective, scale.replicas) if effective and scale else None
     status = compute_status(
         pool, in_force, issues, applied_generation, pods, plan, router_ready, previous, now
@@ -277,6 +318,44 @@ async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:
     return gone
 
 
+async def _create_placeholder(
+    kube: Kube, pool: PoolRef, cm: Mapping[str, Any], result: ReconcileResult, note: Any
+) -> None:
+    """Create the ConfigMap a probe writes into. One of that name that is not this pool's (no
+    owner reference to it: left by an older version, or written by someone else) is taken over:
+    owned by the pool, its data and profile label removed, so that the probe's write is what
+    counts."""
+    md = cm["metadata"]
+    try:
+        await kube.create(path_for("v1", "ConfigMap", pool.namespace), cm)
+        result.created.append(f"ConfigMap {md['name']}")
+        return
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+    path = path_for("v1", "ConfigMap", pool.namespace, md["name"])
+    current = await kube.get(path)
+    if current is None or owned_by(current, pool.uid):
+        return
+    await kube.merge_patch(
+        path,
+        {
+            "metadata": {
+                "ownerReferences": md["ownerReferences"],
+                "labels": {**md["labels"], PROFILE_LABEL: None},
+            },
+            "data": None,
+            "binaryData": None,
+        },
+    )
+    result.updated.append(f"ConfigMap {md['name']}")
+    await note(
+        "ProfileIgnored",
+        f"ConfigMap {md['name']} was not owned by this pool; taken over for a new probe",
+        warning=True,
+    )
+
+
 async def _execute(
     kube: Kube,
     pool: PoolRef,
@@ -286,6 +365,8 @@ async def _execute(
     previous: Mapping[str, Any],
 ) -> None:
     ns = pool.namespace
+    for cm in plan.create_configmaps:
+        await _create_placeholder(kube, pool, cm, result, note)
     for job in plan.create_jobs:
         try:
             await kube.create(path_for("batch/v1", "Job", ns), job)
@@ -312,17 +393,22 @@ async def _execute(
         if await kube.delete(path_for("v1", "ConfigMap", ns, name)):
             result.deleted.append(f"ConfigMap {name}")
             await note("ProfileDeleted", f"deleted profile {name}: its pod is gone")
-    for name in plan.adopt_configmaps:
-        # The probe writes the ConfigMap without an owner; adopting it lets the pool's deletion
-        # garbage-collect it.
-        owner = owner_reference(pool)
-        await kube.merge_patch(
-            path_for("v1", "ConfigMap", ns, name), {"metadata": {"ownerReferences": [owner]}}
-        )
-        result.updated.append(f"ConfigMap {name}")
     before = {
         p.get("name"): p.get("calibration") for p in previous.get("pods") or [] if p.get("name")
     }
+    reasons = {p.get("name"): str(p.get("reason", "")) for p in previous.get("pods") or []}
+    for c in plan.pods:
+        view = c.profile
+        # A profile that does not parse or fails validation (core.profile names the field): the
+        # router scores the pod as unprofiled and the pod is probed again. Said once per distinct
+        # error (the status keeps it in the pod's reason).
+        rejected = view is not None and view.profile is None and bool(view.error)
+        if view is not None and rejected and view.error not in reasons.get(c.pod.name, ""):
+            await note(
+                "ProfileRejected",
+                f"pod {c.pod.name}: ConfigMap {view.configmap}: {view.error}",
+                warning=True,
+            )
     for c in plan.pods:
         if c.state in ("calibrated", "failed", "poor") and before.get(c.pod.name) != c.state:
             p = c.profile.profile if c.profile else None

@@ -1,11 +1,23 @@
 """Pure rendering of a pool's workloads: (pool, spec) -> the Kubernetes objects it consists of.
 
 vLLM Deployments (one per role and variant) and their headless Services, the router (ConfigMap
-with the sidecar's config, Deployment, Service) and the ServiceAccounts/Roles of the router and
-the probe. No I/O, no clock, no randomness: the same inputs give byte-identical output, which is
-what the golden-file tests in tests/operator check and what makes reconciliation idempotent.
-Every object is `names.stamp`ed: owned by the pool (deleting the pool garbage-collects it) and
-annotated with the hash of its body. Called by `reconcile`; the probe Job is `calibration_plan`'s.
+with the sidecar's config, Deployment, Service), the ServiceAccounts/Roles of the router and the
+probe, and, with `networkPolicy.enabled`, the pool's NetworkPolicies. No I/O, no clock, no
+randomness: the same inputs give byte-identical output, which is what the golden-file tests in
+tests/operator check and what makes reconciliation idempotent. Every object is `names.stamp`ed:
+owned by the pool (deleting the pool garbage-collects it) and annotated with the hash of its body.
+Called by `reconcile`; the probe Job is `calibration_plan`'s.
+
+Pod security: the router's and the probe's pods pass the Pod Security Standard `restricted`
+(non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, read-only
+root filesystem); the vLLM pods pass `baseline` (RuntimeDefault seccomp, no privilege
+escalation) and, with ``engine.podSecurity: restricted``, `restricted` too (non-root, with a
+writable HOME and /tmp). Only the router's and the probe's pods mount a service-account token.
+
+Least privilege (docs/operator.md, "RBAC"): the router lists and watches pods and ConfigMaps (its
+watches select its pool's by label; RBAC cannot narrow list or watch by label) and patches only
+its own pool's ``status`` (``status.router``); the probe patches only the profile ConfigMaps of
+the pool's current engine pods, by name, which the operator creates before it starts their probes.
 """
 
 from __future__ import annotations
@@ -13,16 +25,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
 from disaggpool.labels import (
+    COMPONENT_CALIBRATION,
     COMPONENT_LABEL,
     COMPONENT_ROUTER,
     CONFIG_HASH_ANNOTATION,
     GPU_TYPE_ANNOTATION,
     GROUP,
+    K8S_COMPONENT_LABEL,
     PLURAL,
     POOL_LABEL,
     PROFILE_LABELS,
@@ -37,6 +52,7 @@ from disaggpool.operator.names import (
     ROUTER_HTTP_PORT,
     PoolRef,
     pool_labels,
+    profile_configmap_name,
     role_service_name,
     router_name,
     service_account_name,
@@ -46,32 +62,70 @@ from disaggpool.operator.names import (
 from disaggpool.operator.spec import PoolSpec, RoleSpec, VariantSpec
 
 __all__ = [
+    "API_KEY_DIR",
+    "API_KEY_ENV",
     "CONFIG_DIR",
-    "PROBE_RULES",
+    "ENGINE_HOME",
+    "GRPC_TOKEN_DIR",
+    "NON_ROOT_UID",
     "ROUTER_CONFIG_KEY",
     "ROUTER_RULES",
     "container_security_context",
+    "engine_security_contexts",
     "pod_security_context",
+    "probe_rules",
     "render_pool",
     "render_router_config",
+    "router_rules",
+    "writes_status",
 ]
 
 CONFIG_DIR = "/etc/disaggpool"
 ROUTER_CONFIG_KEY = "sidecar.yaml"
+#: Where the router finds the pool's API key and its gRPC token (whole Secret volumes, not
+#: subPath mounts, so that the kubelet updates them and the router picks a rotation up).
+API_KEY_DIR = "/var/run/disaggpool/api-key"
+GRPC_TOKEN_DIR = "/var/run/disaggpool/grpc-token"
+API_KEY_FILE, GRPC_TOKEN_FILE = "api-key", "token"
+#: What the probe reads its API key from (`disaggpool calibrate`).
+API_KEY_ENV = "DISAGGPOOL_API_KEY"
+#: The user the router, the probe and restricted vLLM pods run as ("nonroot" by convention).
+NON_ROOT_UID = 65532
+#: A restricted vLLM pod's writable home: Hugging Face, vLLM, Triton and torch caches live here.
+ENGINE_HOME = "/home/vllm"
+_RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
 
 
 def pod_security_context() -> dict[str, Any]:
-    """The pod-level hardening of the router and the probe (non-root)."""
-    return {"runAsNonRoot": True, "runAsUser": 65532}
+    """The pod-level hardening of the router and the probe: Pod Security `restricted`."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NON_ROOT_UID,
+        "runAsGroup": NON_ROOT_UID,
+        "seccompProfile": dict(_RUNTIME_DEFAULT),
+    }
 
 
 def container_security_context() -> dict[str, Any]:
-    """The container-level hardening of the router and the probe."""
+    """The container-level hardening of the router and the probe: `restricted` plus a read-only
+    root filesystem."""
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def engine_security_contexts(level: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts of a vLLM pod at Pod Security `level`.
+
+    `baseline` (the default) changes nothing a vLLM image relies on: the runtime's default
+    seccomp profile and no privilege escalation (no setuid binaries). `restricted` also runs it
+    as a non-root user with every capability dropped and a read-only root filesystem; the pod
+    then gets a writable HOME and /tmp (`_vllm_deployment`)."""
+    if level == "restricted":
+        return pod_security_context(), container_security_context()
+    return {"seccompProfile": dict(_RUNTIME_DEFAULT)}, {"allowPrivilegeEscalation": False}
 
 
 def _kv_transfer_config(spec: PoolSpec, role: str, cpu: bool) -> str:
@@ -86,6 +140,10 @@ def _kv_transfer_config(spec: PoolSpec, role: str, cpu: bool) -> str:
     if cpu:  # a CPU engine has no device buffer: stage the KV in host memory (vLLM's CPU P/D)
         cfg["kv_buffer_device"] = "cpu"
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
@@ -148,16 +206,29 @@ def _vllm_deployment(
                 "valueFrom": {"secretKeyRef": {"name": m.hub_token_secret, "key": m.hub_token_key}},
             }
         )
+    if spec.auth.api_key is not None:
+        # vLLM's --api-key defaults to $VLLM_API_KEY: every /v1 request must then carry it.
+        env.append(_secret_env("VLLM_API_KEY", spec.auth.api_key.name, spec.auth.api_key.key))
+    if e.pod_security == "restricted":
+        # The image's user has no passwd entry: torch names its caches after $USER.
+        env += [{"name": "HOME", "value": ENGINE_HOME}, {"name": "USER", "value": "vllm"}]
     env += [dict(x) for x in e.env]
     resources: dict[str, Any] = json.loads(json.dumps(dict(e.resources)))
     if variant.gpus:  # a CPU engine asks for no GPU; engine.resources says what it needs
         for kind in ("limits", "requests"):
             resources.setdefault(kind, {})[variant.gpu_resource] = variant.gpus
+    pod_sc, container_sc = engine_security_contexts(e.pod_security)
     volumes: list[dict[str, Any]] = [
         # NCCL/NIXL and PyTorch use /dev/shm well beyond the container runtime's 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": e.shared_memory}}
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if e.pod_security == "restricted":  # a read-only root: the caches and temp files go here
+        volumes += [{"name": "home", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+        mounts += [
+            {"name": "home", "mountPath": ENGINE_HOME},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ]
     if m.pvc_claim:
         volumes.append(
             {"name": "model", "persistentVolumeClaim": {"claimName": m.pvc_claim, "readOnly": True}}
@@ -181,8 +252,12 @@ def _vllm_deployment(
         "startupProbe": _probe("/health", "http", 10, math.ceil(e.startup_timeout_s / 10)),
         "readinessProbe": _probe("/health", "http", 5, 3),
         "livenessProbe": _probe("/health", "http", 15, 4),
+        "securityContext": container_sc,
     }
     pod_spec: dict[str, Any] = {
+        # vLLM calls no Kubernetes API: no service-account token in its pods.
+        "automountServiceAccountToken": False,
+        "securityContext": pod_sc,
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
@@ -253,10 +328,16 @@ ROUTER_SHUTDOWN_DELAY_S = 5
 def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     """The sidecar's YAML config (the contract in docs/operator.md)."""
     r = spec.router
+    # gRPC is opened beyond the pod's loopback only with a token every call must carry.
+    grpc_host = "0.0.0.0" if r.grpc_token else "127.0.0.1"
+    drift = {"pool": _pool_ref(pool), "max_error": spec.calibration.max_prediction_error}
     doc = {
         "policy": r.policy,
         "model": spec.model.served_model_name,
-        "listen": {"grpc": f"0.0.0.0:{ROUTER_GRPC_PORT}", "http": f"0.0.0.0:{ROUTER_HTTP_PORT}"},
+        "listen": {
+            "grpc": f"{grpc_host}:{ROUTER_GRPC_PORT}",
+            "http": f"0.0.0.0:{ROUTER_HTTP_PORT}",
+        },
         "slo_classes": [
             {"name": c.name, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s}
             | ({"sheddable": True} if c.sheddable else {})
@@ -274,9 +355,11 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         # Long enough for the endpoints controller and kube-proxy to drop a terminating router.
         "shutdown_delay_s": ROUTER_SHUTDOWN_DELAY_S,
         "shutdown_timeout_s": ROUTER_TERMINATION_GRACE_S - ROUTER_SHUTDOWN_DELAY_S - 5,
+        **({"auth": _auth_config()} if spec.auth.api_key else {}),
+        **({"grpc": {"token_file": f"{GRPC_TOKEN_DIR}/{GRPC_TOKEN_FILE}"}} if r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
-        **({"drift": {"pool": _pool_ref(pool)}} if _watches_drift(spec) else {}),
+        **({"drift": drift} if _watches_drift(spec) else {}),
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,
@@ -288,10 +371,18 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
             "kubernetes": {
                 "namespace": pool.namespace,
                 "selector": format_selector(of_pool(pool.name, PROFILE_LABELS)),
+                # Only ConfigMaps owned by this pool count: the operator's and the probe's.
+                "owner": pool.name,
             }
         },
     }
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def _auth_config() -> dict[str, str]:
+    """The pool's one key: what the router requires of its clients and sends to the pods."""
+    key = f"{API_KEY_DIR}/{API_KEY_FILE}"
+    return {"api_keys_file": key, "upstream_api_key_file": key}
 
 
 def _pool_ref(pool: PoolRef) -> dict[str, str]:
@@ -301,6 +392,11 @@ def _pool_ref(pool: PoolRef) -> dict[str, str]:
 def _watches_drift(spec: PoolSpec) -> bool:
     """The router reports per-pod prediction errors for the operator's drift re-probes."""
     return spec.calibration.enabled and spec.calibration.max_prediction_error > 0
+
+
+def writes_status(spec: PoolSpec) -> bool:
+    """Whether the router writes ``status.router`` of its pool (a recommendation, drift)."""
+    return spec.autoscaling.enabled or _watches_drift(spec)
 
 
 def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
@@ -317,6 +413,11 @@ def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
     }
 
 
+def _secret_volume(name: str, secret: str, key: str, path: str) -> dict[str, Any]:
+    """One key of a Secret as a file (the whole volume: the kubelet updates it on rotation)."""
+    return {"name": name, "secret": {"secretName": secret, "items": [{"key": key, "path": path}]}}
+
+
 def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     name = router_name(pool)
     config = render_router_config(pool, spec)
@@ -326,6 +427,21 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         "requests": {"cpu": "500m", "memory": "256Mi"},
         "limits": {"memory": "1Gi"},
     }
+    grpc = spec.router.grpc_token
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": name}}]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if spec.auth.api_key is not None:
+        k = spec.auth.api_key
+        volumes.append(_secret_volume("api-key", k.name, k.key, API_KEY_FILE))
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    if grpc is not None:
+        volumes.append(_secret_volume("grpc-token", grpc.name, grpc.key, GRPC_TOKEN_FILE))
+        mounts.append({"name": "grpc-token", "mountPath": GRPC_TOKEN_DIR, "readOnly": True})
+    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
+    service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
+    if grpc is not None:  # without a token gRPC listens on the pod's loopback: nothing to expose
+        ports.insert(0, {"name": "grpc", "containerPort": ROUTER_GRPC_PORT})
+        service_ports.insert(0, {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"})
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -353,20 +469,20 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
                             "image": spec.router.image,
                             "command": ["disaggpool", "sidecar"],
                             "args": ["--config", f"{CONFIG_DIR}/{ROUTER_CONFIG_KEY}"],
-                            "ports": [
-                                {"name": "grpc", "containerPort": ROUTER_GRPC_PORT},
-                                {"name": "http", "containerPort": ROUTER_HTTP_PORT},
-                            ],
-                            "readinessProbe": _probe("/health", "http", 5, 3),
-                            "livenessProbe": _probe("/health", "http", 10, 6),
+                            "ports": ports,
+                            # /livez: the process and its loops are alive (never the pool's
+                            # state, so a router waiting minutes for engines to load is not
+                            # restarted); /readyz: the pool is usable and it is not draining.
+                            # The startup probe gives the process a minute to come up.
+                            "startupProbe": _probe("/livez", "http", 2, 30),
+                            "livenessProbe": _probe("/livez", "http", 10, 3),
+                            "readinessProbe": _probe("/readyz", "http", 5, 3),
                             "resources": resources,
                             "securityContext": container_security_context(),
-                            "volumeMounts": [
-                                {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
-                            ],
+                            "volumeMounts": mounts,
                         }
                     ],
-                    "volumes": [{"name": "config", "configMap": {"name": name}}],
+                    "volumes": volumes,
                 },
             },
         },
@@ -383,13 +499,7 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {"name": name, "labels": labels},
-            "spec": {
-                "selector": selector,
-                "ports": [
-                    {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"},
-                    {"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"},
-                ],
-            },
+            "spec": {"selector": selector, "ports": service_ports},
         },
     ]
 
@@ -419,35 +529,113 @@ def _rbac(pool: PoolRef, who: str, rules: list[dict[str, Any]]) -> list[dict[str
     ]
 
 
-# The router discovers pods and profiles and nothing else; the probe only writes its ConfigMap
-# (create, or merge-patch on a re-probe: calibration/sinks.py).
+# The router watches the pool's pods (membership) and profile ConfigMaps: list then watch, each
+# by label selector. RBAC cannot narrow list or watch by label, so these rules reach every pod
+# and ConfigMap of the namespace; the selector is in the watch (docs/operator.md, "RBAC").
 ROUTER_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["pods", "configmaps"], "verbs": ["get", "list", "watch"]}
-]
-PROBE_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "patch"]}
+    {"apiGroups": [""], "resources": ["pods", "configmaps"], "verbs": ["list", "watch"]}
 ]
 
 
-def render_pool(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """Every object a pool consists of, in apply order (RBAC before the pods that use it)."""
-    objs: list[dict[str, Any]] = []
-    rules = ROUTER_RULES
-    if spec.autoscaling.enabled or _watches_drift(spec):
-        # The router writes its recommendation and its pods' prediction errors on its own pool
-        # and on nothing else (sidecar.pool_writer).
-        rules = [
-            *rules,
+def router_rules(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
+    """The router's Role: `ROUTER_RULES`, plus, when it reports to the operator (a decode
+    recommendation, drift errors: sidecar.pool_writer), a merge-patch of its own pool's status
+    subresource and nothing else: no verb on the pool itself, whose spec the operator deploys."""
+    rules = list(ROUTER_RULES)
+    if writes_status(spec):
+        rules.append(
             {
                 "apiGroups": [GROUP],
-                "resources": [PLURAL],
+                "resources": [f"{PLURAL}/status"],
                 "resourceNames": [pool.name],
-                "verbs": ["get", "patch"],
+                "verbs": ["patch"],
+            }
+        )
+    return rules
+
+
+def probe_rules(pool: PoolRef, engine_pods: Sequence[str]) -> list[dict[str, Any]]:
+    """The probe's Role: merge-patch the profile ConfigMaps of the pool's current engine pods,
+    by name, and nothing else. The operator creates each one before it starts the pod's probe
+    (`create` cannot be narrowed by name); the names follow the pods (a new pod, a deleted one).
+    No pods, no rule: an empty resourceNames would grant every ConfigMap."""
+    names = sorted({profile_configmap_name(pool, p) for p in engine_pods})
+    if not names:
+        return []
+    return [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": names, "verbs": ["patch"]}
+    ]
+
+
+# ------------------------------------------------------------------------------ network policy
+
+
+def _peer(**labels: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": dict(labels)}}
+
+
+def _network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
+    """With `networkPolicy.enabled`: an engine pod is reached only by the pool's router and probes
+    (its HTTP port, and the KV-event port for the router) and by the pool's other engine pods (any
+    port: NIXL's side channel and the KV transfer itself, whose transport ports are not fixed);
+    the router only by the configured clients; the probe by nothing. Egress is left open (engines
+    download weights, every pod reaches the API server or DNS as the cluster has it)."""
+    n = spec.network_policy
+    engines = {POOL_LABEL: pool.name, K8S_COMPONENT_LABEL: "vllm"}
+    router = {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_ROUTER}
+    probe = {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_CALIBRATION}
+    http = {"protocol": "TCP", "port": spec.engine.port}
+    router_ports = [http] + (
+        [{"protocol": "TCP", "port": KV_EVENTS_PORT}] if spec.router.kv_events else []
+    )
+    clients = [dict(c) for c in n.clients] or [{"podSelector": {}}]  # none: its own namespace
+    front = [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]
+    if spec.router.grpc_token is not None:
+        front.append({"protocol": "TCP", "port": ROUTER_GRPC_PORT})
+
+    def policy(suffix: str, selector: dict[str, str], ingress: list[Any]) -> dict[str, Any]:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": f"{pool.name}-{suffix}",
+                "labels": pool_labels(pool, "network-policy"),
             },
-        ]
-    objs += _rbac(pool, "router", rules)
+            "spec": {
+                "podSelector": {"matchLabels": selector},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    return [
+        policy(
+            "engines",
+            engines,
+            [
+                {"from": [_peer(**router)], "ports": router_ports},
+                {"from": [_peer(**probe)], "ports": [http]},
+                {"from": [_peer(**engines)]},
+            ],
+        ),
+        policy("router", router, [{"from": clients, "ports": front}]),
+        policy("probe", probe, []),
+    ]
+
+
+def render_pool(
+    pool: PoolRef, spec: PoolSpec, engine_pods: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Every object a pool consists of, in apply order (RBAC before the pods that use it).
+
+    `engine_pods`: the names of the pool's current engine pods, whose profile ConfigMaps the
+    probe's Role may patch."""
+    objs: list[dict[str, Any]] = []
+    objs += _rbac(pool, "router", router_rules(pool, spec))
     if spec.calibration.enabled:
-        objs += _rbac(pool, "probe", PROBE_RULES)
+        objs += _rbac(pool, "probe", probe_rules(pool, engine_pods))
+    if spec.network_policy.enabled:
+        objs += _network_policies(pool, spec)
     for role in (spec.prefill, spec.decode):
         objs.append(_headless_service(pool, spec, role.role))
         objs += [_vllm_deployment(pool, spec, role, v) for v in role.variants]

@@ -1,8 +1,8 @@
 """How many decode pods a pass renders: the spec's count, or the router's recommendation (pure).
 
 With `autoscaling.enabled`, the router's decode autoscaler (`core.autoscaling`, run by the
-sidecar on the traffic it routes) writes its recommendation on the pool as the annotation
-``disaggpool.io/decode-recommendation``: ``{"replicas": N, "reason": "...", "at": ISO-8601}``.
+sidecar on the traffic it routes) writes its recommendation on the pool's status subresource as
+``status.router.decodeRecommendation``: ``{"replicas": N, "reason": "...", "at": ISO-8601}``.
 The router already applied the stabilisation window and rate limits; the operator clamps to
 ``decode.minReplicas..maxReplicas`` (the user's bounds are the last word), renders the single
 decode variant with that count, and reports it in ``status.autoscaling`` and an Event.
@@ -16,11 +16,10 @@ keeps the count it has.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from disaggpool.labels import DECODE_RECOMMENDATION_ANNOTATION
+from disaggpool.labels import DECODE_RECOMMENDATION_KEY, ROUTER_STATUS_KEY
 from disaggpool.operator.spec import PoolSpec
 
 __all__ = ["DecodeScale", "Recommendation", "decode_scale", "read_recommendation"]
@@ -58,18 +57,15 @@ class DecodeScale:
         return out
 
 
-def read_recommendation(annotations: Mapping[str, Any]) -> tuple[Recommendation | None, str]:
-    """The router's recommendation on a pool, or None and why not ("" when there is none)."""
-    raw = annotations.get(DECODE_RECOMMENDATION_ANNOTATION)
-    if raw is None:
+def read_recommendation(report: Mapping[str, Any]) -> tuple[Recommendation | None, str]:
+    """The router's recommendation in its report (``status.router``), or None and why not (""
+    when there is none)."""
+    doc = report.get(DECODE_RECOMMENDATION_KEY)
+    if doc is None:
         return None, ""
-    where = f"annotation {DECODE_RECOMMENDATION_ANNOTATION}"
-    try:
-        doc = json.loads(raw)
-    except (TypeError, json.JSONDecodeError) as exc:
-        return None, f"{where}: not JSON ({exc})"
+    where = f"status.{ROUTER_STATUS_KEY}.{DECODE_RECOMMENDATION_KEY}"
     if not isinstance(doc, Mapping):
-        return None, f"{where}: must be a JSON object"
+        return None, f"{where}: must be an object"
     n = doc.get("replicas")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return None, f"{where}: replicas must be a non-negative integer, got {n!r}"
@@ -77,13 +73,14 @@ def read_recommendation(annotations: Mapping[str, Any]) -> tuple[Recommendation 
 
 
 def decode_scale(
-    spec: PoolSpec, annotations: Mapping[str, Any], previous: Mapping[str, Any] | None = None
+    spec: PoolSpec, report: Mapping[str, Any], previous: Mapping[str, Any] | None = None
 ) -> DecodeScale:
-    """The decode replicas to render for `spec` given the pool's annotations; `previous`: the
-    last `status.autoscaling`, whose count a malformed recommendation leaves in place."""
+    """The decode replicas to render for `spec` given the router's report (``status.router``);
+    `previous`: the last `status.autoscaling`, whose count a malformed recommendation leaves in
+    place."""
     if not spec.autoscaling.enabled:
         return DecodeScale(spec.decode.replicas, "spec", "autoscaling disabled: decode.replicas")
-    rec, error = read_recommendation(annotations)
+    rec, error = read_recommendation(report)
     if rec is None and error and previous and isinstance(previous.get("replicas"), int):
         kept = int(previous["replicas"])
         return DecodeScale(kept, str(previous.get("source", "spec")), f"{error}: kept", error=error)

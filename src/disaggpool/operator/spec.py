@@ -36,16 +36,20 @@ from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, 
 
 __all__ = [
     "MANAGED_VLLM_FLAGS",
+    "POD_SECURITY_LEVELS",
     "ROUTER_POLICIES",
+    "AuthSpec",
     "AutoscalingSpec",
     "CalibrationSpec",
     "EngineSpec",
     "KVTransferSpec",
     "ModelSpec",
+    "NetworkPolicySpec",
     "PoolSpec",
     "RoleSpec",
     "RouterSpec",
     "SLOClassSpec",
+    "SecretKeyRef",
     "SpecIssue",
     "VariantSpec",
     "check_pool_name",
@@ -67,7 +71,11 @@ MAX_POOL_NAME = 30
 MAX_VARIANT_NAME = 12
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+#: `engine.podSecurity`: the Pod Security Standard the vLLM pods are rendered to pass.
+POD_SECURITY_LEVELS = ("baseline", "restricted")
 _RESOURCE_NAME = re.compile(r"^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +87,14 @@ class SpecIssue:
 
     def __str__(self) -> str:
         return f"spec.{self.field}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SecretKeyRef:
+    """One key of a Secret in the pool's namespace."""
+
+    name: str
+    key: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,6 +126,7 @@ class EngineSpec:
     shared_memory: str = "16Gi"
     startup_timeout_s: int = 1800
     port: int = 8000
+    pod_security: str = "baseline"  # POD_SECURITY_LEVELS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,6 +188,9 @@ class RouterSpec:
     kv_events: bool = False
     priority_scheduling: bool = False
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # `router.grpc.tokenSecret`: gRPC listens on every address, each call carrying this token;
+    # without it gRPC listens on the pod's loopback only and the Service has no gRPC port.
+    grpc_token: SecretKeyRef | None = None
 
 
 #: `calibration.maxAttempts` unset: probes of one pod in a row before it is given up on (the demo
@@ -206,6 +226,24 @@ class AutoscalingSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class AuthSpec:
+    """`auth.apiKeySecret`: the one API key of the pool. vLLM pods require it (VLLM_API_KEY), the
+    router requires it of its clients and sends it to the pods, the probe sends it."""
+
+    api_key: SecretKeyRef | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NetworkPolicySpec:
+    """`networkPolicy`: only the pool's router, its probes and its other engines reach an engine
+    pod; only `clients` (core/v1 NetworkPolicyPeers; none: any pod of the pool's namespace) reach
+    the router."""
+
+    enabled: bool = False
+    clients: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -215,6 +253,8 @@ class PoolSpec:
     router: RouterSpec
     calibration: CalibrationSpec
     autoscaling: AutoscalingSpec
+    auth: AuthSpec = AuthSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
 
     def role(self, name: str) -> RoleSpec:
         return self.prefill if name == "prefill" else self.decode
@@ -225,6 +265,38 @@ def _check_extra_args(sec: Section, key: str, args: tuple[str, ...]) -> None:
         flag = arg.split("=", 1)[0]
         if flag in MANAGED_VLLM_FLAGS:
             sec.problem(key, f"{flag} is set by the operator; remove it from extraArgs")
+
+
+def _secret_ref(parent: Section, key: str, default_key: str) -> SecretKeyRef | None:
+    """``{name, key}`` of a Secret, or None when the field is absent."""
+    if key not in parent:
+        return None
+    sec = parent.section(key)
+    name = sec.string("name")
+    if not _DNS_SUBDOMAIN.match(name):
+        sec.problem("name", f"a Secret name is required (a DNS subdomain), got {name!r}")
+    ref_key = sec.string("key", default_key)
+    if not _SECRET_KEY.match(ref_key):
+        sec.problem("key", f"not a Secret key: {ref_key!r}")
+    return SecretKeyRef(name, ref_key)
+
+
+_PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
+
+
+def _network_policy(spec: Section) -> NetworkPolicySpec:
+    sec = spec.section("networkPolicy")
+    clients = sec.mappings("clients")
+    for i, peer in enumerate(clients):
+        keys = set(peer)
+        if not keys or not keys <= _PEER_KEYS:
+            sec.problem(
+                f"clients[{i}]",
+                "a NetworkPolicyPeer: podSelector, namespaceSelector and/or ipBlock",
+            )
+        elif "ipBlock" in keys and keys != {"ipBlock"}:
+            sec.problem(f"clients[{i}]", "ipBlock cannot be combined with a selector")
+    return NetworkPolicySpec(enabled=sec.boolean("enabled", False), clients=clients)
 
 
 def _role(doc: Section, role: str) -> RoleSpec:
@@ -356,7 +428,10 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         shared_memory=e.string("sharedMemory", "16Gi"),
         startup_timeout_s=e.integer("startupTimeoutSeconds", 1800, minimum=60),
         port=8000,
+        pod_security=e.string("podSecurity", "baseline"),
     )
+    if engine.pod_security not in POD_SECURITY_LEVELS:
+        e.problem("podSecurity", f"must be baseline or restricted, got {engine.pod_security!r}")
     if not engine.image:
         e.problem("image", "required (a vLLM image with NIXL, e.g. vllm/vllm-openai:v0.32.0)")
     if engine.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
@@ -399,6 +474,7 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         kv_events=rt.boolean("kvEvents", False),
         priority_scheduling=rt.boolean("priorityScheduling", False),
         resources=rt.section("resources").data,
+        grpc_token=_secret_ref(rt.section("grpc"), "tokenSecret", "token"),
     )
     if router.decode_binding not in DECODE_BINDINGS:
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
@@ -451,10 +527,24 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         if (decode.max_replicas or 0) < 1:
             a.problem("enabled", "decode autoscaling needs decode.maxReplicas >= 1")
 
+    auth = AuthSpec(api_key=_secret_ref(spec.section("auth"), "apiKeySecret", "api-key"))
+    network_policy = _network_policy(spec)
+
     if problems.problems:
         return None, [SpecIssue(p.field, p.message) for p in problems.problems]
     return (
-        PoolSpec(model, engine, kv_spec, prefill, decode, router, calibration, autoscaling),
+        PoolSpec(
+            model,
+            engine,
+            kv_spec,
+            prefill,
+            decode,
+            router,
+            calibration,
+            autoscaling,
+            auth,
+            network_policy,
+        ),
         [],
     )
 

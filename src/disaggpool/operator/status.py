@@ -136,7 +136,10 @@ def compute_status(
         status["policy"] = spec.router.policy
     else:
         status["policy"] = previous.get("policy", "")
-    status["routerEndpoint"] = router_endpoint(pool)
+    # gRPC is reachable only when a token protects it (otherwise the router's loopback only).
+    status["routerEndpoint"] = router_endpoint(
+        pool, grpc=spec is not None and spec.router.grpc_token is not None
+    )
     if applied_generation is not None:
         status["appliedGeneration"] = applied_generation
 

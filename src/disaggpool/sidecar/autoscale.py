@@ -4,8 +4,8 @@ The routing service feeds a `core.demand.DemandWindow` with every request it rou
 one that finishes. Every `period_s`, `DecodeRecommender` reads it with the decode pods' live
 state (healthy pods, their scraped queue and KV use, their trusted profiles) and runs the pure
 `core.autoscaling.HeterogeneityScaler`; the result is exported as metrics and, when the config
-names the DisaggPool, written on it by `sidecar.pool_writer` as the annotation
-``disaggpool.io/decode-recommendation`` (``{"replicas", "reason", "at"}``), which the operator
+names the DisaggPool, written on its status by `sidecar.pool_writer` as
+``status.router.decodeRecommendation`` (``{"replicas", "reason", "at"}``), which the operator
 applies within the pool's bounds (`operator.scaling`). Only a changed count is written, so the
 operator is not woken for nothing.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from disaggpool.core.autoscaling import Bounds, HeterogeneityScaler, PoolState, ScaleDecision
-from disaggpool.labels import DECODE_RECOMMENDATION_ANNOTATION
+from disaggpool.labels import DECODE_RECOMMENDATION_KEY
 from disaggpool.sidecar.config import AutoscalingConfig
 from disaggpool.sidecar.service import RoutingService
 
@@ -29,7 +29,7 @@ __all__ = ["DecodeRecommender"]
 class DecodeRecommender:
     """One recommendation per call (see the module docstring); keeps the scaler's history."""
 
-    key = DECODE_RECOMMENDATION_ANNOTATION
+    key = DECODE_RECOMMENDATION_KEY
 
     def __init__(self, config: AutoscalingConfig, service: RoutingService) -> None:
         self.config = config
@@ -68,7 +68,7 @@ class DecodeRecommender:
         return decision
 
     def current(self) -> tuple[Any, dict[str, Any]] | None:
-        """For `sidecar.pool_writer`: (what identifies it, the annotation's body), or None."""
+        """For `sidecar.pool_writer`: (what identifies it, the body it writes), or None."""
         decision = self.recommend()
         if decision is None:
             return None

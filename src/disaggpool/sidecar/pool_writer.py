@@ -1,14 +1,18 @@
-"""What the router tells the operator, written as annotations on its own DisaggPool.
+"""What the router tells the operator, written on its own DisaggPool's status: ``status.router``.
 
 Two sources, each optional: the decode autoscaler's recommendation (`sidecar.autoscale`,
-``disaggpool.io/decode-recommendation``) and the per-pod prediction error (`DriftReport`,
-``disaggpool.io/observed-errors``: ``{"pods": {POD: {"error": E, "profile": FITTED_AT}}}``, the
-median relative error of the pod's recent predictions and the profile it is about). Every
-`period_s` the `PoolWriter` asks each source for its value and merge-patches the pool with those
-that changed, in one request, each stamped with ``"at"``. Its Role allows `get` and `patch` on that
-one DisaggPool (`operator.render`). Without a pool in the config it only refreshes the metrics.
-A failed write is logged and counted (`disaggpool_pool_annotation_failures_total`) and retried at
-the next period; nothing else depends on it.
+``status.router.decodeRecommendation``: ``{"replicas", "reason", "at"}``) and the per-pod
+prediction error (`DriftReport`, ``status.router.observedErrors``: ``{"pods": [{"pod": POD,
+"error": E, "profile": FITTED_AT}], "at"}``, the median relative error of the pod's recent
+predictions and the profile it is about; a list, so that each write replaces the last whole).
+Every `period_s` the `PoolWriter` asks each source for its value and merge-patches the pool's
+status subresource with those that changed, in one request, each stamped with ``"at"``. The
+router never writes the pool itself (its spec is what the operator deploys): its Role allows
+`patch` on ``disaggpools/status`` of that one pool and nothing else on DisaggPools
+(`operator.render.router_rules`); the operator leaves ``status.router`` as written. Without a
+pool in the config it only refreshes the metrics. A failed write is logged and counted
+(`disaggpool_pool_status_failures_total`) and retried at the next period; nothing else
+depends on it.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
 
 from disaggpool.kubeclient import ApiError, Kube, KubeUnavailable, path_for
-from disaggpool.labels import API_VERSION, KIND, OBSERVED_ERRORS_ANNOTATION
+from disaggpool.labels import API_VERSION, KIND, OBSERVED_ERRORS_KEY, ROUTER_STATUS_KEY
 from disaggpool.sidecar.service import RoutingService
 
 __all__ = ["AnnotationSource", "DriftReport", "PoolWriter"]
@@ -35,15 +40,15 @@ class AnnotationSource(Protocol):
     key: str
 
     def current(self) -> tuple[Any, dict[str, Any]] | None:
-        """(what identifies the value, so an equal one is not written again; the JSON body), or
-        None when there is nothing to say."""
+        """(what identifies the value, so an equal one is not written again; the body under
+        ``status.router.<key>``), or None when there is nothing to say."""
 
 
 class DriftReport:
     """Each pod's drift error (`core.drift`) with the profile it is about; errors are compared
     at one decimal, so the pool is written when an error moves by 0.1, not on every wobble."""
 
-    key = OBSERVED_ERRORS_ANNOTATION
+    key = OBSERVED_ERRORS_KEY
 
     def __init__(self, service: RoutingService) -> None:
         self.service = service
@@ -55,12 +60,14 @@ class DriftReport:
         gauge.clear()
         for pod, error in errors.items():
             gauge.labels(pod).set(error)
-        pods: dict[str, dict[str, Any]] = {}
+        pods: list[dict[str, Any]] = []
         ident = {}
-        for pod, error in errors.items():
+        for pod, error in sorted(errors.items()):
+            if not math.isfinite(error):  # not JSON, and the status's schema wants a number
+                continue
             inst = svc.state.instances.get(pod)
             fitted = inst.profile.fitted_at if inst and inst.profile else ""
-            pods[pod] = {"error": round(error, 4), "profile": fitted}
+            pods.append({"pod": pod, "error": round(error, 4), "profile": fitted})
             ident[pod] = (round(error, 1), fitted)
         return ident, {"pods": pods}
 
@@ -106,7 +113,7 @@ class PoolWriter:
             await asyncio.sleep(self.period_s)
 
     async def step(self) -> dict[str, dict[str, Any]]:
-        """One round; the annotations written (key -> body)."""
+        """One round; what was written under ``status.router`` (key -> body)."""
         changed: dict[str, tuple[Any, dict[str, Any]]] = {}
         for source in self.sources:
             got = source.current()
@@ -116,16 +123,17 @@ class PoolWriter:
             return {}
         at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         bodies = {key: {**body, "at": at} for key, (_, body) in changed.items()}
-        patch = {"metadata": {"annotations": {k: json.dumps(b) for k, b in bodies.items()}}}
+        # Every body has the same keys each time and lists replace whole in a merge patch:
+        # nothing of an earlier write (this router's or a previous one's) survives this one.
+        patch = {"status": {ROUTER_STATUS_KEY: bodies}}
         try:
             if self._kube is None:
                 self._kube = self._kube_factory()
-            await self._kube.merge_patch(
-                path_for(API_VERSION, KIND, self.namespace, self.name), patch
-            )
+            path = path_for(API_VERSION, KIND, self.namespace, self.name) + "/status"
+            await self._kube.merge_patch(path, patch)
         except (ApiError, KubeUnavailable, aiohttp.ClientError, OSError) as exc:
-            self.service.metrics.pool_annotation_failures.inc()
-            log.warning("pool %s/%s not annotated: %s", self.namespace, self.name, exc)
+            self.service.metrics.pool_status_failures.inc()
+            log.warning("pool %s/%s status not written: %s", self.namespace, self.name, exc)
             return {}
         for key, (ident, body) in changed.items():
             self._written[key] = ident
