@@ -192,11 +192,14 @@ async def two_legs(
     decode_url: str,
     body: dict[str, Any],
     request_id: str,
+    api_key: str = "",
 ) -> None:
     """vLLM's P/D handoff done by the client itself, as a baseline for the routers: the prefill
     leg (one token, not streamed, `do_remote_decode`), then the decode leg with its
-    `kv_transfer_params`."""
+    `kv_transfer_params`; with `api_key`, for pods started with vLLM's --api-key."""
     hdr = {"X-Request-Id": request_id}
+    if api_key:
+        hdr["Authorization"] = f"Bearer {api_key}"
     leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_leg_params()}
     async with session.post(f"{prefill_url}/v1/completions", json=leg, headers=hdr) as r:
         params = (await r.json())["kv_transfer_params"]

@@ -9,12 +9,17 @@ Three measurements, each against a baseline measured in the same run:
 * ``grpc``: a sidecar *process* (``disaggpool sidecar``, pinned to CPU 0 where there are two)
   in front of 1 prefill + 8 decode emulators; from this process (pinned to CPU 1) a closed loop
   of 64 concurrent ``Route`` + ``Report(FINISHED)`` pairs for 8 s gives the throughput of one
-  sidecar core, then an open loop at 1,000 routes/s for 8 s gives the latency at that rate.
-  Both for calibrated and round_robin.
+  sidecar core, then an open loop for 8 s gives the latency at a rate it can serve: 1,000
+  routes/s, or 70% of the first sidecar's closed-loop throughput where that is less.
+  Both for calibrated and round_robin, and calibrated again with a gRPC token required
+  (``grpc.token_file``, every call carrying it): the cost of authentication, as a ratio.
 * ``frontdoor``: the same request (a 16-token prompt, 2 output tokens, not streamed) 300 times
   in sequence, (a) through the front door and (b) as the two legs sent directly by the client
   (prefill leg, then the decode leg with its ``kv_transfer_params``); the overhead is the
-  difference of the medians. The emulators run with zero jitter.
+  difference of the medians. The emulators run with zero jitter and require an API key (vLLM's
+  ``--api-key``), which every path sends: directly, through a front door without keys of its
+  own (the client's key is passed on), and through one with keys (``auth.api_keys_file``: the
+  client's key checked, the pods' own sent upstream).
 
 Usage: ``python bench/sidecar_bench.py [--part decision|grpc|frontdoor|all] [--quick]
 [--json FILE]``. Figures go to BENCHMARKS.md by hand, with the command and the machine line.
@@ -142,8 +147,14 @@ time.sleep(3600)
     return proc, urls
 
 
-def _sidecar_process(policy: str, urls: dict[str, str], tmp: Path, port: int, gport: int):  # type: ignore[no-untyped-def]
-    cfg = {
+POD_KEY, CLIENT_KEY, GRPC_TOKEN = "pod-key", "client-key", "grpc-token"
+OPEN_LOOP_RATE = 1000.0  # routes/s, where the server can take it
+
+
+def _sidecar_process(  # type: ignore[no-untyped-def]
+    policy: str, urls: dict[str, str], tmp: Path, port: int, gport: int, token: bool = False
+):
+    cfg: dict[str, Any] = {
         "policy": policy,
         "model": MODEL,
         "slo_classes": SLO,
@@ -159,6 +170,10 @@ def _sidecar_process(policy: str, urls: dict[str, str], tmp: Path, port: int, gp
         },
         "profiles": {"dir": str(tmp / "profiles")},
     }
+    cfg["grpc"] = {"max_inflight": 100_000}  # the load, not the admission limits, is measured
+    if token:
+        (tmp / "grpc-token").write_text(GRPC_TOKEN)
+        cfg["grpc"]["token_file"] = str(tmp / "grpc-token")
     path = tmp / f"sidecar-{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "disaggpool", "sidecar", "--config", str(path)]
@@ -185,8 +200,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def grpc_load(target: str, seconds: float, rate: float | None) -> dict[str, float]:
-    """Closed loop (rate None, 64 workers) or open loop at `rate` routes/s."""
+async def grpc_load(
+    target: str, seconds: float, rate: float | None, token: str = ""
+) -> dict[str, float]:
+    """Closed loop (rate None, 64 workers) or open loop at `rate` routes/s; every call carries
+    `token` when given."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.RouterStub(channel)
         lat: list[float] = []
@@ -196,7 +215,8 @@ async def grpc_load(target: str, seconds: float, rate: float | None) -> dict[str
         async def one() -> None:
             rid = f"q{next(counter)}"
             t0 = time.perf_counter()
-            await stub.Route(pb.RouteRequest(request_id=rid, prompt_tokens=700, slo_class="chat"))
+            route = pb.RouteRequest(request_id=rid, prompt_tokens=700, slo_class="chat")
+            await stub.Route(route, metadata=metadata)
             lat.append(time.perf_counter() - t0)
             await stub.Report(
                 pb.ReportRequest(
@@ -205,7 +225,8 @@ async def grpc_load(target: str, seconds: float, rate: float | None) -> dict[str
                     output_tokens=100,
                     ttft_s=0.3,
                     tpot_s=0.03,
-                )
+                ),
+                metadata=metadata,
             )
 
         started = time.perf_counter()
@@ -237,28 +258,36 @@ def bench_grpc(quick: bool) -> list[dict[str, Any]]:
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {1})
     rows = []
+    rate = 0.0  # the open loop's, below what the first sidecar serves closed-loop
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "profiles").mkdir()
         emus, urls = _emulator_process(8, tmp)
         try:
-            for policy in ("round_robin", "calibrated"):
+            for policy, token in (
+                ("round_robin", ""), ("calibrated", ""), ("calibrated", GRPC_TOKEN)
+            ):  # fmt: skip
                 port, gport = _free_port(), _free_port()
-                sidecar = _sidecar_process(policy, urls, tmp, port, gport)
+                sidecar = _sidecar_process(policy, urls, tmp, port, gport, bool(token))
+                target = f"127.0.0.1:{gport}"
                 try:
-                    closed = asyncio.run(grpc_load(f"127.0.0.1:{gport}", seconds, None))
-                    open_ = asyncio.run(grpc_load(f"127.0.0.1:{gport}", seconds, 1000.0))
+                    closed = asyncio.run(grpc_load(target, seconds, None, token))
+                    # An open loop beyond what the server can do measures only its backlog
+                    # (and ends in cancelled calls): at most 1,000/s, at most 70% of capacity.
+                    rate = rate or min(OPEN_LOOP_RATE, 0.7 * closed["routes_per_s"])
+                    open_ = asyncio.run(grpc_load(target, seconds, rate, token))
                 finally:
                     sidecar.terminate()
                     sidecar.wait(10)
                 rows.append(
                     {
-                        "policy": policy,
+                        "policy": policy + (", token" if token else ""),
                         "closed-loop routes/s (64 in flight)": closed["routes_per_s"],
                         "closed-loop p99 ms": closed["p99_ms"],
-                        "at 1,000/s: achieved": open_["routes_per_s"],
-                        "at 1,000/s: p50 ms": open_["p50_ms"],
-                        "at 1,000/s: p99 ms": open_["p99_ms"],
+                        "open loop: rate /s": rate,
+                        "open loop: achieved": open_["routes_per_s"],
+                        "open loop: p50 ms": open_["p50_ms"],
+                        "open loop: p99 ms": open_["p99_ms"],
                     }
                 )
         finally:
@@ -266,6 +295,10 @@ def bench_grpc(quick: bool) -> list[dict[str, Any]]:
     base = rows[0]["closed-loop routes/s (64 in flight)"]
     for r in rows:
         r["throughput / round_robin"] = r["closed-loop routes/s (64 in flight)"] / base
+    calibrated = rows[1]["closed-loop routes/s (64 in flight)"]
+    rows[2]["throughput / round_robin"] = rows[2]["closed-loop routes/s (64 in flight)"] / base
+    rows[2]["token / no token"] = rows[2]["closed-loop routes/s (64 in flight)"] / calibrated
+    rows[0]["token / no token"] = rows[1]["token / no token"] = None
     return rows
 
 
@@ -291,6 +324,7 @@ def bench_frontdoor(quick: bool) -> list[dict[str, Any]]:
             jitter=0.0,
             model=MODEL,
             side_channel_host="127.0.0.1",
+            api_keys=(POD_KEY,),
         )
         for _ in range(2)
     ]
@@ -301,22 +335,29 @@ def bench_frontdoor(quick: bool) -> list[dict[str, Any]]:
     ):
         for name in ("p0", "d0"):
             save_profile(fast, Path(t) / f"{name}.yaml")
-        cfg = parse_config(
-            {
-                "policy": "calibrated",
-                "model": MODEL,
-                "slo_classes": SLO,
-                "listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0"},
-                "tokenizer": {"kind": "emulator"},
-                "profiles": {"dir": t},
-                "pool": {
-                    "static": {
-                        "prefill": [{"name": "p0", "url": p.url}],
-                        "decode": [{"name": "d0", "url": d.url}],
-                    }
-                },
+        (Path(t) / "client-keys").write_text(CLIENT_KEY)
+        (Path(t) / "pod-key").write_text(POD_KEY)
+        keyed = {
+            "auth": {
+                "api_keys_file": str(Path(t) / "client-keys"),
+                "upstream_api_key_file": str(Path(t) / "pod-key"),
             }
-        )
+        }
+        doc: dict[str, Any] = {
+            "policy": "calibrated",
+            "model": MODEL,
+            "slo_classes": SLO,
+            "listen": {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0"},
+            "tokenizer": {"kind": "emulator"},
+            "profiles": {"dir": t},
+            "pool": {
+                "static": {
+                    "prefill": [{"name": "p0", "url": p.url}],
+                    "decode": [{"name": "d0", "url": d.url}],
+                }
+            },
+        }
+        cfg, cfg_keyed = parse_config(doc), parse_config({**doc, **keyed})
         body = {
             "model": MODEL,
             "prompt": "one two three four five six seven eight nine ten "
@@ -325,44 +366,55 @@ def bench_frontdoor(quick: bool) -> list[dict[str, Any]]:
         }
 
         async def direct(session: aiohttp.ClientSession, i: int) -> None:
-            await two_legs(session, p.url, d.url, body, f"direct-{i}")
+            await two_legs(session, p.url, d.url, body, f"direct-{i}", POD_KEY)
 
-        with SidecarThread(cfg) as sc:
+        with SidecarThread(cfg) as plain, SidecarThread(cfg_keyed) as keyed_sc:
 
-            async def front(session: aiohttp.ClientSession, i: int) -> None:
-                async with session.post(f"{sc.url}/v1/completions", json=body) as r:
-                    assert r.status == 200
-                    await r.read()
+            def through(url: str, key: str) -> Any:
+                headers = {"Authorization": f"Bearer {key}"}
 
-            async def run() -> tuple[list[float], list[float]]:
+                async def send(session: aiohttp.ClientSession, i: int) -> None:
+                    async with session.post(
+                        f"{url}/v1/completions", json=body, headers=headers
+                    ) as r:
+                        assert r.status == 200, r.status
+                        await r.read()
+
+                return send
+
+            paths = {
+                "two legs sent directly": direct,
+                "through the front door (no keys of its own)": through(plain.url, POD_KEY),
+                "through the front door with API keys": through(keyed_sc.url, CLIENT_KEY),
+            }
+
+            async def run() -> dict[str, list[float]]:
+                out: dict[str, list[float]] = {name: [] for name in paths}
                 async with aiohttp.ClientSession() as s:
-                    await _timed_requests(s, direct, 20)  # warm-up
-                    await _timed_requests(s, front, 20)
-                    a: list[float] = []
-                    b: list[float] = []
-                    for _ in range(5):  # interleaved blocks: drift hits both alike
-                        a += await _timed_requests(s, direct, n // 5)
-                        b += await _timed_requests(s, front, n // 5)
-                    return a, b
+                    for send in paths.values():
+                        await _timed_requests(s, send, 20)  # warm-up
+                    for _ in range(5):  # interleaved blocks: drift hits every path alike
+                        for name, send in paths.items():
+                            out[name] += await _timed_requests(s, send, n // 5)
+                return out
 
-            direct_t, front_t = asyncio.run(run())
-    d50, f50 = statistics.median(direct_t) * 1000, statistics.median(front_t) * 1000
-    return [
-        {
-            "path": "two legs sent directly",
-            "p50 ms": d50,
-            "p99 ms": _pct(direct_t, 99) * 1000,
-            "overhead p50 ms": 0.0,
-            "x direct (p50)": 1.0,
-        },
-        {
-            "path": "through the front door",
-            "p50 ms": f50,
-            "p99 ms": _pct(front_t, 99) * 1000,
-            "overhead p50 ms": f50 - d50,
-            "x direct (p50)": f50 / d50,
-        },
-    ]
+            times = asyncio.run(run())
+    d50 = statistics.median(times["two legs sent directly"]) * 1000
+    f50 = statistics.median(times["through the front door (no keys of its own)"]) * 1000
+    rows = []
+    for name, t in times.items():
+        p50 = statistics.median(t) * 1000
+        rows.append(
+            {
+                "path": name,
+                "p50 ms": p50,
+                "p99 ms": _pct(t, 99) * 1000,
+                "overhead p50 ms": p50 - d50,
+                "x direct (p50)": p50 / d50,
+                "x front door without keys (p50)": p50 / f50,
+            }
+        )
+    return rows
 
 
 def main() -> None:

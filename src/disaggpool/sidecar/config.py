@@ -151,8 +151,10 @@ class GrpcConfig:
     tls: GrpcTLS | None = None
     allow_unauthenticated: bool = False  # listen beyond loopback with neither token nor TLS
     lease_s: float = 60.0  # a Route not Reported on within it is forgotten (each Report renews)
-    max_inflight: int = 256  # gRPC bookings, apart from the front door's max_inflight
-    max_inflight_per_client: int = 64  # per peer address
+    max_inflight: int = 512  # gRPC bookings, apart from the front door's max_inflight
+    # Per peer address; the whole gRPC share by default, since one gateway often carries all
+    # the traffic: set it lower where several clients must not crowd each other out.
+    max_inflight_per_client: int = 512
 
     @property
     def authenticated(self) -> bool:
@@ -501,9 +503,9 @@ def _grpc(rd: FieldReader, raw: Any, base: Path | None) -> GrpcConfig:
             if "client_ca_file" in t
             else "",
         )
-    total = rd.integer(g.get("max_inflight", 256), "grpc.max_inflight", minimum=1)
+    total = rd.integer(g.get("max_inflight", 512), "grpc.max_inflight", minimum=1)
     per_client = rd.integer(
-        g.get("max_inflight_per_client", min(64, total)), "grpc.max_inflight_per_client", minimum=1
+        g.get("max_inflight_per_client", total), "grpc.max_inflight_per_client", minimum=1
     )
     if per_client > total:
         raise rd.fail(
