@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from disaggpool.core.contracts import SLOClass
@@ -157,6 +158,12 @@ class FieldReader:
             self.problem(path, f"must be {'> 0' if positive else f'>= {minimum}'}, got {value!r}")
             return default
         return float(value)
+
+    def path(self, value: Any, path: str, base: Path | None) -> str:
+        """A string naming a file: relative to `base` (the document's folder) unless absolute."""
+        text = self.string(value, path)
+        p = Path(text)
+        return str(p if p.is_absolute() or base is None else base / p)
 
     def boolean(self, value: Any, path: str, *, default: bool = False) -> bool:
         if not isinstance(value, bool):

@@ -8,7 +8,6 @@ downstream re-validates. Read by `sidecar.app` (the process) and by `demo` (whic
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -32,19 +31,30 @@ from disaggpool.formats.fields import FieldReader, read_slo_classes
 from disaggpool.formats.profiles import load_yaml
 from disaggpool.kubeclient import parse_selector
 from disaggpool.pdwire import POD_CONNECTION_REUSE_S
+from disaggpool.sidecar.config_access import (
+    DEFAULT_GRPC_LISTEN,
+    AuthConfig,
+    GrpcConfig,
+    GrpcTLS,
+    check_exposure,
+    is_loopback,
+    parse_auth,
+    parse_grpc,
+)
 
 __all__ = [
+    "AuthConfig",
+    "GrpcConfig",
+    "GrpcTLS",
     "KubernetesSource",
     "Member",
     "SidecarConfig",
     "TokenizerConfig",
+    "is_loopback",
     "load_config",
     "parse_config",
     "parse_members",
 ]
-
-
-DEFAULT_GRPC_LISTEN = "127.0.0.1:50051"  # loopback unless gRPC credentials are configured
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,39 +139,6 @@ class UpstreamTimeouts:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AuthConfig:
-    """The front door's API keys and the key the router sends to pods (CONFIG.md, "Security")."""
-
-    api_keys_file: str = ""  # clients: `Authorization: Bearer <key>`, one key per line
-    upstream_api_key_file: str = ""  # pods started with vLLM's --api-key
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GrpcTLS:
-    cert_file: str
-    key_file: str
-    client_ca_file: str = ""  # set: clients must present a certificate it signed
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GrpcConfig:
-    """Who may call the gRPC router, and how much of the pool its callers may book."""
-
-    token_file: str = ""  # every call carries `authorization: Bearer <token>`
-    tls: GrpcTLS | None = None
-    allow_unauthenticated: bool = False  # listen beyond loopback with neither token nor TLS
-    lease_s: float = 60.0  # a Route not Reported on within it is forgotten (each Report renews)
-    max_inflight: int = 512  # gRPC bookings, apart from the front door's max_inflight
-    # Per peer address; the whole gRPC share by default, since one gateway often carries all
-    # the traffic: set it lower where several clients must not crowd each other out.
-    max_inflight_per_client: int = 512
-
-    @property
-    def authenticated(self) -> bool:
-        return bool(self.token_file) or (self.tls is not None and bool(self.tls.client_ca_file))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class TokenizerConfig:
     """How prompt lengths are made exact.
 
@@ -194,8 +171,8 @@ class SidecarConfig:
     max_model_len: int = 0  # 0: each pod's own, read from its /v1/models
     forward_client_priority: bool = False
     debug_errors: bool = False
-    auth: AuthConfig = AuthConfig()
-    grpc: GrpcConfig = GrpcConfig()
+    auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
+    grpc: GrpcConfig = dataclasses.field(default_factory=GrpcConfig)
     # An idle pooled connection to a pod is reused only this long: keep it below the pods'
     # keep-alive (`pdwire.POD_CONNECTION_REUSE_S` says why).
     upstream_keepalive_s: float = POD_CONNECTION_REUSE_S
@@ -330,10 +307,10 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
             kwargs[key] = rd.boolean(top[key], key)
     kwargs["upstream_timeouts"] = _timeouts(rd, top)
     if "auth" in top:
-        kwargs["auth"] = _auth(rd, top["auth"], base)
+        kwargs["auth"] = parse_auth(rd, top["auth"], base)
     if "grpc" in top:
-        kwargs["grpc"] = _grpc(rd, top["grpc"], base)
-    _check_exposure(rd, kwargs)
+        kwargs["grpc"] = parse_grpc(rd, top["grpc"], base)
+    check_exposure(rd, kwargs)
     if "tokenizer" in top:
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)
     kwargs.update(_pool(rd, top.get("pool"), base))
@@ -477,79 +454,6 @@ def _timeouts(rd: FieldReader, top: Mapping[str, Any]) -> UpstreamTimeouts:
     return out
 
 
-def _auth(rd: FieldReader, raw: Any, base: Path | None) -> AuthConfig:
-    a = rd.mapping(raw, "auth")
-    rd.known(a, "auth", {"api_keys_file", "upstream_api_key_file"})
-    files = {
-        key: _path(rd.string(a[key], f"auth.{key}"), base)
-        for key in ("api_keys_file", "upstream_api_key_file")
-        if key in a
-    }
-    return AuthConfig(**files)
-
-
-def _grpc(rd: FieldReader, raw: Any, base: Path | None) -> GrpcConfig:
-    g = rd.mapping(raw, "grpc")
-    keys = {"token_file", "tls", "allow_unauthenticated", "lease_s", "max_inflight"}
-    rd.known(g, "grpc", keys | {"max_inflight_per_client"})
-    tls = None
-    if "tls" in g:
-        t = rd.mapping(g["tls"], "grpc.tls")
-        rd.known(t, "grpc.tls", {"cert_file", "key_file", "client_ca_file"})
-        tls = GrpcTLS(
-            _path(rd.string(t.get("cert_file"), "grpc.tls.cert_file"), base),
-            _path(rd.string(t.get("key_file"), "grpc.tls.key_file"), base),
-            _path(rd.string(t["client_ca_file"], "grpc.tls.client_ca_file"), base)
-            if "client_ca_file" in t
-            else "",
-        )
-    total = rd.integer(g.get("max_inflight", 512), "grpc.max_inflight", minimum=1)
-    per_client = rd.integer(
-        g.get("max_inflight_per_client", total), "grpc.max_inflight_per_client", minimum=1
-    )
-    if per_client > total:
-        raise rd.fail(
-            "grpc.max_inflight_per_client", f"must be at most grpc.max_inflight ({total})"
-        )
-    return GrpcConfig(
-        token_file=_path(rd.string(g["token_file"], "grpc.token_file"), base)
-        if "token_file" in g
-        else "",
-        tls=tls,
-        allow_unauthenticated=rd.boolean(
-            g.get("allow_unauthenticated", False), "grpc.allow_unauthenticated"
-        ),
-        lease_s=rd.number(g.get("lease_s", 60.0), "grpc.lease_s", positive=True),
-        max_inflight=total,
-        max_inflight_per_client=per_client,
-    )
-
-
-def _check_exposure(rd: FieldReader, kwargs: Mapping[str, Any]) -> None:
-    """The gRPC router books pods and reports outcomes: anyone who reaches it can fill the pool
-    or fake goodput. Beyond loopback it needs a token or client certificates, or an explicit
-    `grpc.allow_unauthenticated` (for a network that is itself the boundary)."""
-    grpc: GrpcConfig = kwargs.get("grpc", GrpcConfig())
-    address = kwargs.get("grpc_listen", DEFAULT_GRPC_LISTEN)
-    host = address.rpartition(":")[0].strip("[]")
-    if not is_loopback(host) and not grpc.authenticated and not grpc.allow_unauthenticated:
-        raise rd.fail(
-            "listen.grpc",
-            f"{address} is reachable beyond this machine: set grpc.token_file or grpc.tls with "
-            "client_ca_file, or grpc.allow_unauthenticated: true",
-        )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listen host answers only this machine (`localhost`, 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _tokenizer(rd: FieldReader, raw: Any, base: Path | None) -> TokenizerConfig:
     t = rd.mapping(raw, "tokenizer")
     rd.known(t, "tokenizer", {"kind", "path"})
@@ -558,13 +462,8 @@ def _tokenizer(rd: FieldReader, raw: Any, base: Path | None) -> TokenizerConfig:
         raise rd.fail("tokenizer.kind", f"must be engine, emulator or huggingface, got {kind!r}")
     path = ""
     if kind == "huggingface":
-        path = _path(rd.string(t.get("path"), "tokenizer.path"), base)
+        path = rd.path(t.get("path"), "tokenizer.path", base)
     return TokenizerConfig(kind=kind, path=path)
-
-
-def _path(text: str, base: Path | None) -> str:
-    p = Path(text)
-    return str(p if p.is_absolute() or base is None else base / p)
 
 
 def _kubernetes(rd: FieldReader, raw: Any, path: str, *, port: bool) -> KubernetesSource:
@@ -593,7 +492,7 @@ def _pool(rd: FieldReader, raw: Any, base: Path | None) -> dict[str, Any]:
     if "static" in pool:
         return {"static_members": parse_members(pool["static"], rd, "pool.static")}
     if "file" in pool:
-        return {"members_file": _path(rd.string(pool["file"], "pool.file"), base)}
+        return {"members_file": rd.path(pool["file"], "pool.file", base)}
     return {"members_kubernetes": _kubernetes(rd, pool["kubernetes"], "pool.kubernetes", port=True)}
 
 
@@ -602,7 +501,7 @@ def _profiles(rd: FieldReader, raw: Any, base: Path | None) -> dict[str, Any]:
     rd.known(prof, "profiles", {"dir", "kubernetes"})
     out: dict[str, Any] = {}
     if "dir" in prof:
-        out["profiles_dir"] = _path(rd.string(prof["dir"], "profiles.dir"), base)
+        out["profiles_dir"] = rd.path(prof["dir"], "profiles.dir", base)
     if "kubernetes" in prof:
         out["profiles_kubernetes"] = _kubernetes(
             rd, prof["kubernetes"], "profiles.kubernetes", port=False
