@@ -6,7 +6,7 @@ Wall time of a single ``route`` call for pools of 4 prefill and 8, 32 or 128 dec
 for the calibrated policy and the round_robin, least_loaded and length baselines (all built with
 ``make_policy`` and each policy's default switches, ``registry.default_options``: the calibrated
 policy with its P/D decider on, as the sidecar runs it). Only ``route`` is timed: building the
-snapshot (done by the simulator's ``RouterReplica`` or by the sidecar's scraper) is not part of it.
+snapshot (``core.pods``, the same in the simulator and the sidecar) is not part of it.
 
 Inputs are realistic and fixed by seed. Profiles are the *believed* profiles of
 ``sim.pools.build_pool(4, n_decode, builtin_profile("a40-llama3-8b"), seed=1)`` (per-instance speed

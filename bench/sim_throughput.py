@@ -55,8 +55,8 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
-from disaggpool.sim.paper_config import PaperConfig
 from disaggpool.sim.pools import build_pool
+from disaggpool.studies.paper_config import PaperConfig
 
 POLICIES = ("round_robin", "least_loaded", "length", "calibrated")
 RATE_RPS = 16.0

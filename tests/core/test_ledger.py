@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disaggpool.core.contracts import SLOClass
+from disaggpool.core.contracts import SLOClass, TpotBudgets
 from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, budgets, view
 
 SLO = SLOClass("c", 1.0, 0.1)
@@ -243,3 +243,18 @@ def test_work_routed_with_a_priority_is_booked_as_yielded_until_prefilled() -> N
     led.finished("late")
     led.finished("on-time")
     assert zero(led)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.tuples(st.floats(-1.0, 1.0, allow_nan=False), st.sampled_from([1, 2, 4, 64])),
+        st.integers(1, 9),
+        max_size=40,
+    )
+)
+def test_budgets_from_counts_are_budgets_from_their_groups(
+    counts: dict[tuple[float, int], int],
+) -> None:
+    groups = [(b, r, n) for (b, r), n in counts.items()]
+    assert TpotBudgets.of_counts(counts) == TpotBudgets.of(groups)

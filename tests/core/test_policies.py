@@ -16,7 +16,7 @@ from disaggpool.core.contracts import (
     TpotBudgets,
 )
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.base import NoCapacityError
+from disaggpool.core.policies.base import DecodeChoice, NoCapacityError
 from disaggpool.core.policies.calibrated import median_measured_transfer
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.profile import KVTransferModel
@@ -66,7 +66,11 @@ def test_round_robin_takes_turns_over_the_decode_pods_it_binds_late() -> None:
     for _ in range(4):
         arrival = policy.route(REQ, snap, random.Random(0))
         assert arrival.prefill is not None
-        kept.append(policy.route_decode(REQ, snap, random.Random(0), arrival.prefill, 0.5).decode)
+        kept.append(
+            policy.route_decode(
+                DecodeChoice(REQ, snap, arrival.prefill, 0.5), random.Random(0)
+            ).decode
+        )
     assert kept == ["d0", "d1"] * 2
 
 
@@ -267,7 +271,7 @@ def test_an_unmeasured_kv_transfer_is_priced_with_the_pools_measured_median() ->
     assert d.predicted_ttft_s > ttft(dx) + 0.005  # the slower measured link, not the defaults
     again = policy.route(REQ, pool(decodes), random.Random(0))  # the cached stand-in
     assert again.predicted_ttft_s == d.predicted_ttft_s
-    late = policy.route_decode(REQ, pool(decodes), random.Random(0), "p0", ready)
+    late = policy.route_decode(DecodeChoice(REQ, pool(decodes), "p0", ready), random.Random(0))
     assert late.predicted_ttft_s == pytest.approx(
         costmodel.decode_estimate(REQ, decodes[0], with_median, ready, bound_late=True).ttft_s
     )
@@ -336,16 +340,18 @@ def test_route_decode_keeps_the_prefill_and_prices_the_elapsed_time() -> None:
     snap = pool([decode("d0", inflight=6, running=6), decode("d1")])
     for name in POLICY_NAMES:
         policy = make_policy(name, datasheet={"d0": A40, "d1": A40, "p0": A40, "p1": A40})
-        d = policy.route_decode(REQ, snap, random.Random(0), "p1", 1.5)
+        d = policy.route_decode(DecodeChoice(REQ, snap, "p1", 1.5), random.Random(0))
         assert d.prefill == "p1" and d.decode in ("d0", "d1")
         if d.predicted_ttft_s is not None:
             assert d.predicted_ttft_s > 1.5
     assert (
-        make_policy("calibrated").route_decode(REQ, snap, random.Random(0), "p1", 1.5).decode
+        make_policy("calibrated")
+        .route_decode(DecodeChoice(REQ, snap, "p1", 1.5), random.Random(0))
+        .decode
         == "d1"
     )
     with pytest.raises(NoCapacityError, match="p9"):
-        make_policy("length").route_decode(REQ, snap, random.Random(0), "p9", 0.0)
+        make_policy("length").route_decode(DecodeChoice(REQ, snap, "p9", 0.0), random.Random(0))
 
 
 def test_study_weighted_scores_backlog_service_and_queue_in_its_own_units() -> None:

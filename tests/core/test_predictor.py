@@ -198,9 +198,9 @@ def test_cache_is_refreshed_while_data_is_scarce() -> None:
     assert after.mean < before.mean  # one observation is enough to move a cold key
 
 
-def test_deterministic() -> None:
-    def run() -> list[Prediction]:
-        rng = random.Random(123)
+def test_deterministic_given_seed() -> None:
+    def run(seed: int) -> list[Prediction]:
+        rng = random.Random(seed)
         p = OnlineQuantilePredictor()
         out = []
         for i in range(2000):
@@ -210,7 +210,8 @@ def test_deterministic() -> None:
             p.observe(cls, prompt, lognormal_int(rng, 80))
         return out
 
-    assert run() == run()
+    assert run(123) == run(123)
+    assert run(123) != run(124)  # the seed matters: a constant predictor would pass the first
 
 
 # -- online: errors ----------------------------------------------------------------------------

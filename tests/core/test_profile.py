@@ -285,7 +285,7 @@ MALFORMED: list[tuple[str, Mutation, str]] = [
     ),
     ("bad schema_version", _set("schema_version", 2), "schema_version"),
     ("string schema_version", _set("schema_version", "1"), "schema_version"),
-    # Well-formed, but no engine (issue #36: these were accepted as `good`).
+    # Well-formed, but no engine: a fit can come out like this, and `good` would route by it.
     ("zero decode step", _set("decode", {"d0": 0, "d1": 0, "d2": 0}), "decode.d0"),
     ("sub-microsecond decode step", _set("decode.d0", 5e-7), "decode.d0"),
     ("free prefill tokens", _set("prefill.p1", 0.0), "prefill.p1"),

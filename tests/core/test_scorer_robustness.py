@@ -6,8 +6,8 @@ large integers). Pool states are any non-negative counts up to far beyond an eng
 they are, every policy returns a decision naming healthy pods with finite, non-negative
 predictions, or raises its documented `NoCapacityError`: never ZeroDivisionError, OverflowError,
 ValueError from a NaN or infinity, and never a NaN that makes every comparison false (which would
-silently pick whichever pod came last). Before profiles were checked as physics, zero decode
-constants with two decode pods raised ZeroDivisionError in the scarcity guard.
+silently pick whichever pod came last). Zero decode constants with two decode pods are the case
+that reaches the scarcity guard's division.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from disaggpool.core.contracts import (
     TpotBudgets,
 )
 from disaggpool.core.hardware import BUILTIN_PROFILES
-from disaggpool.core.policies.base import NoCapacityError
+from disaggpool.core.policies.base import DecodeChoice, NoCapacityError
 from disaggpool.core.policies.calibrated import CalibratedPolicy
 from disaggpool.core.policies.registry import (
     NEEDS_DATASHEET,
@@ -255,7 +255,7 @@ def test_the_calibrated_policy_decides_whatever_it_is_fed(
     prefill = data.draw(st.sampled_from([i.name for i in pool.prefill]))
     elapsed = data.draw(_amount(1e4))
     try:
-        late = policy.route_decode(req, pool, rng, prefill, elapsed)
+        late = policy.route_decode(DecodeChoice(req, pool, prefill, elapsed), rng)
     except NoCapacityError:
         assert not any(i.healthy for i in pool.decode)
     else:
@@ -307,10 +307,10 @@ def _decode_pool(*decode: CalibrationProfile) -> PoolSnapshot:
 def test_a_decode_pod_with_no_step_time_is_scored_as_one_without_a_profile(
     decode: DecodeModel,
 ) -> None:
-    """Issue #36: zero decode constants marked `good`, built in code (a file is refused), with
-    two decode pods: every route raised ZeroDivisionError in the guard's throughput weight;
-    near-zero ones looked infinitely fast and took every request. Now the pod is scored with
-    the median trusted profile and the decision says so."""
+    """Zero decode constants marked `good`, built in code (a file is refused), with two decode
+    pods: the guard's throughput weight would divide by zero, and near-zero constants would look
+    infinitely fast and take every request. The pod is scored with the median trusted profile
+    instead, and the decision says so."""
     broken = dataclasses.replace(A40, name="broken", decode=decode)
     assert broken.quality == "good" and not broken.trusted
     assert broken.implausible.startswith("decode.d0: ")
@@ -323,7 +323,7 @@ def test_a_decode_pod_with_no_step_time_is_scored_as_one_without_a_profile(
         assert decision.fallback == "median-profile"
         _valid(decision, pool, local_ok=True)
         chosen.append(decision.decode)
-        late = policy.route_decode(req, pool, random.Random(k), "p0", 0.5)
+        late = policy.route_decode(DecodeChoice(req, pool, "p0", 0.5), random.Random(k))
         assert late.fallback == "median-profile"
     # Scored with the same (median) constants, the idle pod d0 is preferred to d1, which holds
     # a request: the broken pod no longer looks infinitely fast.

@@ -1,30 +1,32 @@
-"""One scorer and one ledger, everywhere: fed the same events, the sidecar decides what the
-simulator decided.
+"""One router, everywhere: fed the same events, the sidecar decides what the simulator decided.
 
-A simulation runs with its router replica recording, in order, every event a real router would
-see: each scrape (the gauges it read), each routed request (and the decision), each prefill leg
-answered, each streamed-token count, each late decode binding, each end. Those events are then
-replayed into a sidecar `RoutingService` (same policy name, options and seed; a clock set to the
-event's time; the pods' believed profiles installed), through its public API: `route`,
-`bind_decode`, `prefilled`, `progress`, `finished`, `failed`, and the pool state's `scraped`.
-Every decision must come out the same, for every policy, at arrival and with late binding, with
-the calibrated P/D decider on and off. Both sides build their snapshots with `core.ledger`.
+Both run `core.router.Router`; what this checks is their adapters: that the simulator
+(`sim.cluster`, `sim.router`) and the sidecar (`sidecar.service`, `sidecar.state`) hand the router
+the same requests and reports, and do what it decided. A simulation runs with its router replica
+recording, in order, every event a real router would see: each scrape (the gauges it read), each
+routed request (and the decision), each prefill leg answered, each streamed-token count, each
+late decode binding, each end. Those events are then replayed into a sidecar `RoutingService`
+(same policy name, options and seed; a clock set to the event's time; the pods' believed profiles
+installed), through its public API: `route`, `bind_decode`, `prefilled`, `progress`, `finished`,
+`failed`, and the pool state's `scraped`. Every decision must come out the same, for every
+policy, at arrival and with late binding, with the calibrated P/D decider on and off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.ledger import Gauges
+from disaggpool.core.ledger import Entry, Gauges
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
-from disaggpool.engine.request import EngineRequest
+from disaggpool.core.router import Placement, Request
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.service import RoutingService, Shed
@@ -39,38 +41,58 @@ SLO = SLOClass("chat", 0.3, 0.05)
 Event = tuple[Any, ...]
 
 
-class RecordingReplica(RouterReplica):
-    """The simulator's router replica, writing down every event it is told or reads."""
+def record(replica: RouterReplica, log: list[Event]) -> None:
+    """Write down every event the replica's router is told or reads, in order (its methods are
+    wrapped on the instances the simulation calls)."""
+    router, pods = replica.router, replica.pods
+    scraped, route, bind = pods.scraped, router.route, router.bind_decode
+    streamed, prefilled = router.streamed, router.prefilled
+    finished, forget = router.finished, router.forget
 
-    def __init__(self, *args: Any, log: list[Event], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log = log
+    def on_scraped(name: str, gauges: Gauges, now: float) -> None:
+        log.append(("scraped", now, name, gauges))
+        scraped(name, gauges, now)
 
-    def scraped(self, name: str, gauges: Gauges, now: float) -> None:
-        self.log.append(("scraped", now, name, gauges))
-        super().scraped(name, gauges, now)
+    def on_route(request: Request, now: float, **kwargs: Any) -> Placement:
+        placed = route(request, now, **kwargs)
+        d = placed.decision
+        decode = None if placed.late else d.decode
+        log.append(("routed", now, request.request_id, request.prompt_tokens, d.prefill, decode,
+                    d.priority))  # fmt: skip
+        return placed
 
-    def progress(self, req: EngineRequest, produced: int, now: float) -> None:
-        self.log.append(("progress", now, req.key, produced, req.first_token))
-        super().progress(req, produced, now)
+    def on_bind(request_id: str, now: float) -> Any:
+        decision = bind(request_id, now)
+        log.append(("bound", now, request_id, decision.decode if decision else None))
+        return decision
 
-    def routed(
-        self, req: EngineRequest, prefill: Any, decode: Any, slo: Any, now: float, cached: int = 0
-    ) -> None:
-        self.log.append(("routed", now, req.key, req.prompt_tokens, prefill, decode, req.priority))
-        super().routed(req, prefill, decode, slo, now, cached)
+    def on_streamed(counts: Iterable[tuple[str, int, float | None]], now: float) -> None:
+        counts = list(counts)
+        for request_id, generated, first_token_at in counts:
+            entry = replica.ledger.entries.get(request_id)
+            if entry is not None and generated > entry.generated:  # what the router counts
+                log.append(("progress", now, request_id, generated, first_token_at))
+        streamed(counts, now)
 
-    def bind_decode(self, req: EngineRequest, decode: str) -> None:
-        self.log.append(("bound", req.key, decode))
-        super().bind_decode(req, decode)
+    def on_prefilled(request_id: str) -> bool:
+        log.append(("prefilled", request_id))
+        return prefilled(request_id)
 
-    def prefilled(self, req: EngineRequest) -> None:
-        self.log.append(("prefilled", req.key))
-        super().prefilled(req)
+    def on_finished(request_id: str, output_tokens: int) -> Entry | None:
+        log.append(("finished", request_id, output_tokens, True))
+        return finished(request_id, output_tokens)
 
-    def finished(self, req: EngineRequest) -> None:
-        self.log.append(("finished", req.key, req.output_tokens, req.finish >= 0))
-        super().finished(req)
+    def on_forget(request_id: str) -> Entry | None:
+        log.append(("finished", request_id, 0, False))
+        return forget(request_id)
+
+    pods.scraped = on_scraped  # type: ignore[method-assign]
+    router.route = on_route  # type: ignore[method-assign]
+    router.bind_decode = on_bind  # type: ignore[method-assign]
+    router.streamed = on_streamed  # type: ignore[method-assign]
+    router.prefilled = on_prefilled  # type: ignore[method-assign]
+    router.finished = on_finished  # type: ignore[method-assign]
+    router.forget = on_forget  # type: ignore[method-assign]
 
 
 def trace(n: int, seed: int, rate: float = 14.0) -> list[TraceRequest]:
@@ -99,15 +121,7 @@ def simulate(
         scheduling="priority" if options.priority_scheduling else "fcfs",
     )
     (replica,) = sim.routers
-    sim.routers = [
-        RecordingReplica(
-            sim.prefill,
-            sim.decode,
-            {s.name: s.believed_profile for s in specs},
-            log=log,
-        )
-    ]
-    del replica
+    record(replica, log)
     # Priorities are 1 only for requests predicted late, and the P/D decider prefills locally only
     # to save an SLO: load the pool until some are late.
     sim.run(trace(300, seed=5, rate=100.0 if options.pd_decider else 14.0))
@@ -161,9 +175,11 @@ def replay(
             compared += 1
             differ += got != (prefill, decode, priority)
         elif kind == "bound":
-            routed = service.bind_decode(event[1])
+            _, t, rid, decode = event
+            now[0] = t
+            routed = service.bind_decode(rid)
             compared += 1
-            differ += routed.decode is None or routed.decode.name != event[2]
+            differ += routed.decode is None or routed.decode.name != decode
         elif kind == "prefilled":
             service.prefilled(event[1])
         elif kind == "finished":

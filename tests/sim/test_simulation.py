@@ -11,9 +11,9 @@ from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import POLICY_NAMES, PolicyOptions, make_policy
 from disaggpool.core.predictor import make_predictor
+from disaggpool.core.router import Request
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
-from disaggpool.engine.request import EngineRequest
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.metrics import summarize
@@ -224,17 +224,26 @@ def test_a_router_without_books_sees_the_last_scrape_alone() -> None:
     """Between two scrapes a replica with its own books sees the requests it routed; one
     without sees the gauges alone (what a router keeping no books decides on), while it still
     keeps the books for the reports."""
-    engines = [PrefillEngine("p0", A40), DecodeEngine("d0", A40)]
+    prefill, decode = PrefillEngine("p0", A40), DecodeEngine("d0", A40)
     believed = {"p0": A40, "d0": A40}
-    req = EngineRequest(0, 0.0, 500, 50, "chat", predicted_output=50.0, key="r0")
+    req = Request("r0", 500, SLO["chat"], true_output_tokens=50)
     seen = {}
     for books in (True, False):
         replica = RouterReplica(
-            engines[:1], engines[1:], believed, scrape_interval_s=10.0, own_books=books
+            [prefill],
+            [decode],
+            believed,
+            policy=make_policy("least_loaded"),
+            predictor=make_predictor("oracle"),
+            rng=random.Random(0),
+            scrape_interval_s=10.0,
+            own_books=books,
+            late_binding=True,
         )
-        replica.snapshot(0.0)  # the scrape at 0: an idle pool
-        replica.routed(req, "p0", None, SLO["chat"], 0.0)  # late binding: not bound yet
-        snap = replica.snapshot(1.0)
+        replica.observe(0.0)  # the scrape at 0: an idle pool
+        assert replica.router.route(req, 0.0).late  # late binding: not bound yet
+        replica.observe(1.0)
+        snap = replica.router.snapshot(1.0)
         seen[books] = (snap.prefill[0].queued_tokens, snap.unbound_kv_tokens)
         assert "r0" in replica.ledger.entries
     assert seen == {True: (500, 550.0), False: (0, 0.0)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
@@ -93,6 +94,18 @@ class TpotBudgets:
             tuple(g[2] for g in ordered),
             tuple(cumulative),
         )
+
+    @classmethod
+    def of_counts(cls, counts: Mapping[tuple[float, int], int]) -> TpotBudgets:
+        """From ``{(seconds, remaining tokens): count}``: the same as `of` on its items, built
+        without their triples (the ledger's hot path; keys are distinct, so sorting them sorts
+        the groups)."""
+        if not counts:
+            return cls()
+        keys = sorted(counts)
+        n = tuple(map(counts.__getitem__, keys))
+        seconds, tokens = zip(*keys, strict=True)
+        return cls(seconds, tokens, n, (0, *itertools.accumulate(n)))
 
     def __bool__(self) -> bool:
         return bool(self.seconds)

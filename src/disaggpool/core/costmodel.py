@@ -36,7 +36,7 @@ class DecodeEstimate(NamedTuple):
     """What admitting one request on one decode instance costs (all times in seconds).
 
     A named tuple rather than a dataclass: it is built once per instance per decision on the hot
-    path, and a tuple subclass costs no more than the bare tuple it replaced.
+    path, and a tuple subclass costs no more to build than a bare tuple.
     """
 
     act_s: float

@@ -5,9 +5,9 @@ sizes its headroom by the spread of the contexts a decode pod holds, each reques
 long it stays, `core.demand`'s `slot_cv`): over a sliding window of the last `window` finished
 requests, the coefficient of variation (standard deviation / mean) of each request's *token work*,
 prompt tokens plus output tokens. 0 means identical requests, where every policy that spreads evenly
-is as good as any other; the calibrated router's gain grows with it (the README's heterogeneity
-sweep). Token work rather than predicted seconds keeps the signal independent of any instance's
-calibration, so it means the same before and after a re-probe.
+is as good as any other; the calibrated router's gain grows with it (`sim paper`'s heterogeneity
+sweep, docs/results/routing-quality.md). Token work rather than predicted seconds keeps the signal
+independent of any instance's calibration, so it means the same before and after a re-probe.
 
 Pure: the caller feeds observations; no clock, O(1) per observation (ring buffer + running sums,
 re-summed every `window` observations so floating-point drift cannot accumulate).

@@ -48,10 +48,12 @@ decision rates a pool of hundreds of streams is not walked per decision. In that
 moves by at most `BUDGETS_REFRESH_S / remaining tokens` (under the 0.5 ms rounding once four
 tokens are left), and the tokens produced meanwhile are not yet counted.
 
-The sidecar (`sidecar.state`) feeds it scraped gauges and the front door's or gRPC clients'
-reports; the simulator (`sim.router`) feeds it the engines' state at its scrape ticks and the same
-reports at the moments a real router would get them. Several router replicas are several ledgers
-over the same gauges. Pure and synchronous: no clock (times are passed in), no I/O.
+The router (`core.router`) books every request here and feeds it the reports it gets, through the
+table of pods that holds the ledger (`core.pods`); the adapters feed that table the scraped gauges
+(the sidecar's collectors; the simulator the engines' state at its scrape ticks) and the router
+the reports (the sidecar's front door and gRPC clients; the simulator at the moments a real router
+would get them). Several router replicas are several ledgers over the same gauges. Pure and
+synchronous: no clock (times are passed in), no I/O.
 
 Late binding: an entry may be booked with its prefill instance only (`decode=None`) and bound to
 a decode instance later (`bind_decode`), when the prefill leg returns. Until then no decode
@@ -67,7 +69,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from disaggpool.core.contracts import NO_BUDGETS, InstanceSnapshot, Role, SLOClass, TpotBudgets
+from disaggpool.core.contracts import (
+    NO_BUDGETS,
+    InstanceSnapshot,
+    RequestFeatures,
+    Role,
+    SLOClass,
+    TpotBudgets,
+)
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = ["BUDGETS_REFRESH_S", "Account", "Entry", "Gauges", "Ledger", "budgets", "view"]
@@ -107,10 +116,14 @@ class Entry:
     first_token_at: float = 0.0
     cached_tokens: int = 0  # of its prompt, expected cached on its prefill instance
     priority: int = 0  # what the engines were asked for (RouteDecision.priority)
+    # What it was routed on: late binding and a retry choose its decode pod again with it.
+    features: RequestFeatures | None = None
     # While decoding, budget(now) = (due - now) / left: `left` the predicted remaining tokens (at
-    # least 1), `due` when the last of them is due. Both change only with `generated`.
+    # least 1), `due` when the last of them is due, `left_pow2` the budgets' token bucket of
+    # `left` (`_pow2`). All change only with `generated`.
     due: float = 0.0
     left: float = 1.0
+    left_pow2: int = 1
 
     def budget(self, now: float) -> float:
         """Seconds per remaining output token it can afford and meet its TPOT target."""
@@ -126,6 +139,7 @@ class Entry:
         if r < 1.0:
             r = 1.0
         self.left = r
+        self.left_pow2 = _pow2(r)
         self.due = self.first_token_at + self.slo.tpot_s * (k + r - 1.0)
 
 
@@ -258,26 +272,40 @@ class Ledger:
         it decoding; its first token was seen at `first_token_at` (default `now`: a front door
         reports every token as it passes)."""
         entry = self.entries.get(request_id)
-        if entry is None:
-            return None
+        if entry is not None:
+            self.advance(entry, generated, now, first_token_at)
+        return entry
+
+    def advance(
+        self, entry: Entry, generated: int, now: float, first_token_at: float | None = None
+    ) -> None:
+        """`progress` of an entry already in hand (one of `entries`)."""
         if not entry.prefilled:
-            self.prefilled(request_id)
+            self._release_prefill(entry)
         if entry.decode is None:  # a client reporting tokens of a request it never bound
-            return entry
+            return
         d = self.accounts[entry.decode]
         if not entry.decoding and generated > 0:
             entry.decoding = True
             entry.first_token_at = first_token_at if first_token_at is not None else now
             self._start_decoding(entry, d)
             d.tokens_since_scrape += entry.prompt_tokens  # its KV, in no scrape yet
-        if generated > entry.generated:
-            left = entry.predicted_output - entry.generated
+        k = entry.generated
+        if generated > k:
+            predicted = entry.predicted_output
+            left = predicted - k
             if left > 0.0:
-                step = generated - entry.generated
+                step = generated - k
                 d.predicted_left -= step if step < left else left
             entry.generated = generated
-            entry._pace()
-        return entry
+            # Entry._pace, inlined: this runs for every stream at every simulated decision.
+            r = predicted - generated
+            if r < 1.0:
+                r = 1.0
+            entry.left = r
+            n = int(r)
+            entry.left_pow2 = 1 << (n.bit_length() - 1) if n > 1 else 1  # _pow2
+            entry.due = entry.first_token_at + entry.slo.tpot_s * (generated + r - 1.0)
 
     def finished(self, request_id: str) -> Entry | None:
         """Forget a request (finished, failed or expired); returns its entry, if known."""
@@ -379,14 +407,9 @@ def budgets(acc: Account, now: float) -> TpotBudgets:
     counts = dict(acc.targets)
     get = counts.get
     for entry in acc.streams.values():
-        left = entry.left
-        n = int(left)
-        key = (
-            round((entry.due - now) / left * 2000.0) / 2000.0,  # 0.5 ms buckets
-            1 << (n.bit_length() - 1) if n > 1 else 1,  # _pow2, inlined: the hot loop
-        )
+        key = (round((entry.due - now) / entry.left * 2000.0) / 2000.0, entry.left_pow2)  # 0.5 ms
         counts[key] = get(key, 0) + 1
-    acc.cached_budgets = result = TpotBudgets.of((b, r, n) for (b, r), n in counts.items())
+    acc.cached_budgets = result = TpotBudgets.of_counts(counts)
     acc.budgets_at = now
     return result
 

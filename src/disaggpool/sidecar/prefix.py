@@ -1,10 +1,14 @@
 """The sidecar's prefix lookups: what each prefill pod holds of a prompt, and what it now holds.
 
-A prompt with token ids is cut into block ids (`core.prefix_index.prompt_blocks`, blocks of the
-prefill pods' calibrated block size, 16 before any pod has a profile). For each prefill pod the
-lookup reads its precise `EventIndex` while that is live (`PoolState.cached_index`), at the block
-size its events announce, and the approximate `PrefixIndex` of what was routed there otherwise.
-When a pod's source changes, it is logged: a pod falling silent is never read silently wrong.
+The router (`core.router`) asks its `PrefixSource` both questions; this is the sidecar's, the
+core's approximate index (`core.router.ApproximatePrefix`) extended with the pods' own KV events.
+
+A prompt with token ids is cut into block ids (`blocks`: `core.prefix_index.prompt_blocks`, blocks
+of the prefill pods' calibrated block size, 16 before any pod has a profile). For each prefill pod
+the lookup reads its precise `EventIndex` while that is live (`PoolState.cached_index`), at the
+block size its events announce, and the approximate `PrefixIndex` of what was routed there
+otherwise. When a pod's source changes, it is logged: a pod falling silent is never read silently
+wrong.
 
 After a decision, `remember` books the prompt's blocks on the chosen pod in the approximate
 index (bounded by the KV the pod has: its profile's capacity, else its scraped one), counts the
@@ -16,9 +20,10 @@ publishes KV events and was sent blocks it did not hold, starts waiting for it t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from disaggpool.core.prefix_index import prompt_blocks
+from disaggpool.core.prefix_index import PrefixIndex, prompt_blocks
+from disaggpool.core.router import ApproximatePrefix, Request
 from disaggpool.sidecar.config import KVEventsSource
 from disaggpool.sidecar.metrics import SidecarMetrics
 from disaggpool.sidecar.state import PoolState
@@ -30,39 +35,45 @@ log = logging.getLogger("disaggpool.sidecar")
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's block size on GPUs, until a pod's profile says otherwise
 
 
-class PrefixLookup:
+class PrefixLookup(ApproximatePrefix):
     """Lookups and bookings against the pool's prefix indexes (module docstring)."""
 
     def __init__(
         self,
         state: PoolState,
+        index: PrefixIndex,
         events: KVEventsSource | None,
         metrics: SidecarMetrics,
-        clock: Callable[[], float],
     ) -> None:
+        super().__init__(index, state)
         self.state = state
         self.events = events
         self.metrics = metrics
-        self.clock = clock
         self._events_live: dict[str, bool] = {}  # pod -> read from its events at the last lookup
 
-    def lookup(
-        self, prompt_tokens: int, token_ids: Sequence[int] | None
-    ) -> tuple[tuple[int, ...], int, Mapping[str, int]]:
-        """The prompt's block ids, their size, and each prefill pod's cached tokens of it
-        (nothing without an index or token ids)."""
-        index = self.state.prefix
-        if index is None or not token_ids:
-            return (), 0, {}
-        pods = self.state.members("prefill")
+    def blocks(self, token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], int]:
+        """The prompt's block ids and their size (none without token ids)."""
+        if not token_ids:
+            return (), 0
         block_tokens = next(
-            (i.profile.block_size for i in pods if i.profile is not None), DEFAULT_BLOCK_TOKENS
+            (i.profile.block_size for i in self.state.members("prefill") if i.profile is not None),
+            DEFAULT_BLOCK_TOKENS,
         )
-        blocks = prompt_blocks(token_ids, block_tokens)
+        return prompt_blocks(token_ids, block_tokens), block_tokens
+
+    def hits(self, request: Request, now: float) -> Mapping[str, int]:
+        """Each prefill pod's cached tokens of the prompt (nothing without token ids)."""
+        token_ids = request.token_ids
+        if not token_ids:
+            return {}
+        blocks, block_tokens, prompt_tokens = (
+            request.blocks,
+            request.block_tokens,
+            request.prompt_tokens,
+        )
         by_size = {block_tokens: blocks}
-        now = self.clock()
         hits: dict[str, int] = {}
-        for inst in pods:
+        for inst in self.state.members("prefill"):
             live = None
             if self.events is not None and inst.member.kv_events:
                 live = self.state.cached_index(inst.name, now, self.events.stale_after_s)
@@ -73,10 +84,10 @@ class PrefixLookup:
                     by_size[size] = prompt_blocks(token_ids, size)
                 h = live.hit_tokens(by_size[size], prompt_tokens)
             else:
-                h = index.hit_tokens(inst.name, blocks, prompt_tokens, block_tokens)
+                h = self.index.hit_tokens(inst.name, blocks, prompt_tokens, block_tokens)
             if h:
                 hits[inst.name] = h
-        return blocks, block_tokens, hits
+        return hits
 
     def _note_source(self, pod: str, live: bool, heard: bool) -> None:
         """Say when a pod's index switches between its events and the approximate one."""
@@ -93,21 +104,14 @@ class PrefixLookup:
                 pod,
             )
 
-    def remember(
-        self, pod: str, blocks: tuple[int, ...], prompt_tokens: int, block_tokens: int, hit: int
-    ) -> None:
+    def remember(self, pod: str, request: Request, hit: int, capacity: int, now: float) -> None:
         """`pod` now holds the prompt's blocks, as far as the router can know (docstring)."""
-        assert self.state.prefix is not None
+        super().remember(pod, request, hit, capacity, now)
         inst = self.state.instances[pod]
-        capacity = inst.profile.kv_capacity_tokens if inst.profile is not None else 0
-        if not capacity and inst.gauges is not None:
-            capacity = inst.gauges.kv_capacity_tokens
-        self.state.prefix.record(
-            pod, blocks, prompt_tokens, block_tokens, capacity or prompt_tokens
-        )
+        prompt_tokens, block_tokens = request.prompt_tokens, request.block_tokens
         # It will store blocks it did not hold and should say so (`state.cached_index`).
         new_blocks = hit < (prompt_tokens - 1) // block_tokens * block_tokens
         if inst.member.kv_events and new_blocks and inst.awaiting_events_since is None:
-            inst.awaiting_events_since = self.clock()
+            inst.awaiting_events_since = now
         self.metrics.prefix_lookups.labels(pod).inc(prompt_tokens)
         self.metrics.prefix_hits.labels(pod).inc(hit)

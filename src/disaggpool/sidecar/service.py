@@ -1,20 +1,24 @@
 """The routing service: one object that both adapters (gRPC servicer, HTTP front door) call.
 
-`route` predicts the output length, snapshots the pool, asks the configured policy (the very
-`core.policies` object the simulator runs) for a (prefill, decode) pair and books the request in
-flight; the pair may lack its prefill pod (the P/D decider's local path: the decode pod prefills)
-or, when the caller can take a late answer (`bind_late`: the front door always, a gRPC client
-that says so) and `decode_binding` is `late` (the default), its decode pod until the prefill leg
-returns (`bind_decode`);
-`prefilled` / `progress` / `finished` / `failed` move it through its life, feed the output-length
-predictor, the goodput, heterogeneity and demand signals and the predicted-vs-observed error, per
-pod in `drift` (`core.drift`). A re-probe's profile that is not trusted does not replace a trusted
-one (`install_profile`). Synchronous and loop-confined: no awaits, so a decision is atomic.
+The decisions and the books are the router's (`core.router.Router`, the very code the simulator
+runs): `route` predicts the output length, looks the prompt up in the prefix index, asks the
+configured policy for a (prefill, decode) pair and books the request in flight; the pair may lack
+its prefill pod (the P/D decider's local path: the decode pod prefills) or, when the caller can
+take a late answer (`bind_late`: the front door always, a gRPC client that says so) and
+`decode_binding` is `late` (the default), its decode pod until the prefill leg returns
+(`bind_decode`); `retry_decode` books another decode pod for a leg that failed before its first
+token. `prefilled` / `progress` / `finished` / `failed` move it through its life and teach the
+output-length predictor.
+
+Around the router, this service keeps what only production needs: admission (below), the request
+ids and endpoints the adapters answer with (`Routed`), metrics and logs, which profile each pod
+is scored with (`sidecar.profile_trust`: a re-probe's profile that is not trusted does not
+replace a trusted one) and what each end teaches the goodput, heterogeneity, demand and drift
+signals (`sidecar.outcomes`). Synchronous and loop-confined: no awaits, so a decision is atomic.
 
 With `prefix_index` on, a request that comes with its token ids (the front door and gRPC
-`prompt_text` measure them) is looked up in the router's prefix index (`sidecar.prefix`): the
-policy is told what each prefill pod holds of it, and the chosen pod is booked as holding it and
-its ledger entry as that much less work, exactly as the simulator's router does (`sim.router`).
+`prompt_text` measure them) is looked up in the router's prefix index, extended with the pods'
+KV events (`sidecar.prefix`).
 
 Who booked a request matters for admission. The front door's requests count against
 `max_inflight` and live until the front door reports them (at worst `inflight_ttl_s`). A gRPC
@@ -41,13 +45,15 @@ from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, DemandWindow
 from disaggpool.core.drift import DriftTracker
 from disaggpool.core.heterogeneity import SlidingSpread
 from disaggpool.core.ledger import Entry
-from disaggpool.core.policies.base import NoCapacityError, Policy
+from disaggpool.core.policies.base import DecodeChoice, NoCapacityError, Policy
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import OutputPredictor, make_predictor
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.router import Request, Router
 from disaggpool.sidecar.auth import KeyFile
 from disaggpool.sidecar.config import Member, SidecarConfig
 from disaggpool.sidecar.metrics import SidecarMetrics
+from disaggpool.sidecar.outcomes import Outcomes
 from disaggpool.sidecar.prefix import PrefixLookup
 from disaggpool.sidecar.profile_trust import ProfileTrust
 from disaggpool.sidecar.state import PoolState
@@ -117,7 +123,7 @@ class Routed:
 
 
 class RoutingService:
-    """Policy + predictor + live state (see the module docstring)."""
+    """The router with admission, metrics and logs around it (see the module docstring)."""
 
     def __init__(
         self,
@@ -152,14 +158,26 @@ class RoutingService:
         self.spread = SlidingSpread(config.heterogeneity_window)
         drift = config.drift
         self.drift = DriftTracker(drift.window, drift.min_samples) if drift else DriftTracker()
+        self.outcomes = Outcomes(self.metrics, self.demand, self.spread, self.drift)
         # Which profile each pod is scored with, refused and distrusted ones, and the log lines.
         max_error = drift.max_error if drift else 0.0
         self.trust = ProfileTrust(self.state, self.drift, self.metrics, clock, max_error=max_error)
+        index = self.state.prefix
+        self.prefix = (
+            PrefixLookup(self.state, index, events, self.metrics) if index is not None else None
+        )
+        self.router = Router(
+            _Timed(self.policy, self.metrics),
+            self.predictor,
+            self.rng,
+            self.state,
+            prefix=self.prefix,
+            late_binding=config.decode_binding == "late",
+        )
         self._unbound: dict[str, Routed] = {}  # late binding: routed, decode pod not chosen yet
         self._leases: dict[str, _Lease] = {}  # gRPC bookings: request id -> client, expiry
         self._per_client: collections.Counter[str] = collections.Counter()
         self._upstream_key = KeyFile(config.auth.upstream_api_key_file)
-        self.prefix = PrefixLookup(self.state, config.kv_events, self.metrics, clock)
 
     # ------------------------------------------------------------------ deciding
     def route(
@@ -189,53 +207,35 @@ class RoutingService:
             raise Duplicate(f"request id {request_id!r} is already in flight", "request_id")
         self._admit(client)
         now = self.clock()
-        self.demand.arrived(now)
-        pred = self.predictor.predict(slo.name, prompt_tokens, self.rng)
-        predicted = pred.mean if not max_tokens else min(pred.mean, float(max_tokens))
-        blocks, block_tokens, hits = self.prefix.lookup(prompt_tokens, token_ids)
-        features = RequestFeatures(
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            predicted_output_tokens=predicted,
-            output_uncertainty=pred.std,
-            slo=slo,
-            prefix_hits=hits,
+        self.outcomes.arrived(now)
+        blocks, block_tokens = self.prefix.blocks(token_ids) if self.prefix else ((), 0)
+        request = Request(
+            request_id,
+            prompt_tokens,
+            slo,
+            max_tokens=max_tokens,
+            blocks=blocks,
+            block_tokens=block_tokens,
+            token_ids=token_ids,
         )
-        pool = self._pool(now, exclude_prefill)
-        started = time.perf_counter()
         try:
-            decision = self.policy.route(features, pool, self.rng)
+            placed = self.router.route(
+                request, now, bind_late=bind_late, exclude_prefill=exclude_prefill
+            )
         except NoCapacityError as exc:
             self.metrics.rejected.labels("no_capacity").inc()
             raise NoCapacity(str(exc)) from None
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        decision = placed.decision
         if decision.shed:
-            self.metrics.rejected.labels("shed").inc()
-            self.metrics.outcome(slo.name, "shed")
+            self.outcomes.shed(slo.name)
             raise Shed(
                 f"class {slo.name!r} is sheddable and no pod can serve this request within its "
                 f"SLO now (predicted TTFT {decision.predicted_ttft_s or 0.0:.3f} s)"
             )
-        late = bind_late and self.config.decode_binding == "late" and decision.prefill is not None
-        self._account(decision, bound=not late)
-        p = self.state.instances[decision.prefill] if decision.prefill is not None else None
-        d = None if late else self.state.instances[decision.decode]
-        cached = hits.get(p.name, 0) if p else 0
-        self.state.routed(
-            Entry(
-                request_id,
-                p.name if p else None,
-                d.name if d else None,
-                prompt_tokens,
-                predicted,
-                slo,
-                now,
-                cached_tokens=cached,
-                priority=decision.priority,
-            )
-        )
-        if p is not None and blocks:
-            self.prefix.remember(p.name, blocks, prompt_tokens, block_tokens, cached)
+        self._account(decision, bound=not placed.late)
+        instances = self.state.instances
+        p = instances[decision.prefill] if decision.prefill is not None else None
+        d = None if placed.late else instances[decision.decode]
         self.metrics.inflight.set(self.state.inflight)
         routed = Routed(
             request_id,
@@ -243,13 +243,13 @@ class RoutingService:
             d.member if d else None,
             decision,
             slo,
-            predicted,
+            placed.features.predicted_output_tokens,
             prompt_tokens,
             max_tokens,
-            features,
+            placed.features,
             token_ids,
         )
-        if late:
+        if placed.late:
             self._unbound[request_id] = routed
         if client is not None:
             self._leases[request_id] = _Lease(client, now + self.config.grpc.lease_s)
@@ -305,86 +305,51 @@ class RoutingService:
     def bind_decode(self, request_id: str) -> Routed:
         """Late binding: the prefill leg of `request_id` answered; choose its decode pod now."""
         routed = self._unbound.pop(request_id, None)
-        entry = self.state.ledger.entries.get(request_id)
-        if routed is None or entry is None:
+        if routed is None:
             raise BadRequest("is not a routed request awaiting its decode pod", "request_id")
-        assert routed.features is not None and routed.prefill is not None
-        self.state.prefilled(request_id)
         self._renew(request_id)
-        return self._bind(routed, entry.routed_at)
+        try:
+            decision = self.router.bind_decode(request_id, self.clock())
+        except NoCapacityError as exc:
+            self.metrics.rejected.labels("no_capacity").inc()
+            raise NoCapacity(str(exc)) from None
+        if decision is None:
+            raise BadRequest("is not a routed request awaiting its decode pod", "request_id")
+        self.metrics.decisions.labels(decision.policy, "decode", decision.decode).inc()
+        return self._rebound(routed, decision, local=False)
 
     def retry_decode(self, routed: Routed, failed: str, *, local: bool) -> Routed:
         """The decode leg of `routed` failed on `failed` before its first token: book it on
         another decode pod. `local` (or a request on the local path already): that pod prefills
         the prompt itself, chosen as the policy routes a new request; else it pulls the same KV
-        (the failed pod never asked for it), chosen as late binding chooses."""
-        rec = self._forget(routed.request_id)
-        if rec is None or routed.features is None:
-            raise BadRequest("is not a routed request with a decode leg", "request_id")
-        local = local or routed.prefill is None
-        now = self.clock()
-        pool = self._pool(now, (), exclude_decode=(failed,))
+        (the failed pod never asked for it), chosen as late binding chooses
+        (`Router.retry_decode`)."""
+        self._release(routed.request_id)
         try:
-            if local:
-                decision = self.policy.route(routed.features, pool, self.rng)
-            else:
-                assert routed.prefill is not None
-                decision = self.policy.route_decode(
-                    routed.features, pool, self.rng, routed.prefill.name, now - rec.routed_at
-                )
+            decision = self.router.retry_decode(
+                routed.request_id, failed, self.clock(), local=local
+            )
         except NoCapacityError as exc:
             self.metrics.rejected.labels("no_capacity").inc()
             raise NoCapacity(str(exc)) from None
-        d = self.state.instances[decision.decode]
-        if local:
-            self.state.routed(
-                dataclasses.replace(rec, prefill=None, decode=d.name, cached_tokens=0)
-            )
-        else:
-            self.state.routed(dataclasses.replace(rec, decode=None, prefilled=False))
-            self.state.prefilled(routed.request_id)
-            self.state.bind_decode(routed.request_id, d.name)
-        self.metrics.decisions.labels(decision.policy, "decode", d.name).inc()
+        if decision is None:
+            raise BadRequest("is not a routed request with a decode leg", "request_id")
+        self.metrics.decisions.labels(decision.policy, "decode", decision.decode).inc()
+        return self._rebound(routed, decision, local=local or routed.prefill is None)
+
+    def _rebound(self, routed: Routed, decision: RouteDecision, *, local: bool) -> Routed:
+        """`routed` with the decode pod of `decision` (and, `local`, no prefill leg)."""
         merged = dataclasses.replace(
             routed.decision,
             prefill=None if local else routed.decision.prefill,
-            decode=d.name,
-            predicted_ttft_s=decision.predicted_ttft_s,
-            predicted_tpot_s=decision.predicted_tpot_s,
-            slo_feasible=decision.slo_feasible,
-        )
-        prefill = None if local else routed.prefill
-        return dataclasses.replace(routed, prefill=prefill, decode=d.member, decision=merged)
-
-    def _bind(self, routed: Routed, routed_at: float) -> Routed:
-        """Choose and book the decode pod of a request whose prefill leg answered."""
-        assert routed.features is not None and routed.prefill is not None
-        request_id = routed.request_id
-        now = self.clock()
-        started = time.perf_counter()
-        try:
-            decision = self.policy.route_decode(
-                routed.features,
-                self.state.snapshot(now),
-                self.rng,
-                routed.prefill.name,
-                now - routed_at,
-            )
-        except NoCapacityError as exc:
-            self.metrics.rejected.labels("no_capacity").inc()
-            raise NoCapacity(str(exc)) from None
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.decisions.labels(decision.policy, "decode", decision.decode).inc()
-        d = self.state.instances[decision.decode]
-        self.state.bind_decode(request_id, d.name)
-        merged = dataclasses.replace(
-            routed.decision,
             decode=decision.decode,
             predicted_ttft_s=decision.predicted_ttft_s,
             predicted_tpot_s=decision.predicted_tpot_s,
             slo_feasible=decision.slo_feasible,
         )
-        return dataclasses.replace(routed, decode=d.member, decision=merged)
+        d = self.state.instances[decision.decode]
+        prefill = None if local else routed.prefill
+        return dataclasses.replace(routed, prefill=prefill, decode=d.member, decision=merged)
 
     def reroute(self, routed: Routed, exclude_prefill: Collection[str]) -> Routed:
         """Route a request again (its prefill leg failed), avoiding the pods that failed it."""
@@ -398,23 +363,6 @@ class RoutingService:
             token_ids=routed.token_ids,
             bind_late=routed.decode is None,
         )
-
-    def _pool(
-        self, now: float, exclude_prefill: Collection[str], exclude_decode: Collection[str] = ()
-    ) -> PoolSnapshot:
-        """The snapshot, with the pods a retry must avoid marked unhealthy."""
-        pool = self.state.snapshot(now)
-        if not exclude_prefill and not exclude_decode:
-            return pool
-        prefill = [
-            dataclasses.replace(i, healthy=False) if i.name in exclude_prefill else i
-            for i in pool.prefill
-        ]
-        decode = [
-            dataclasses.replace(i, healthy=False) if i.name in exclude_decode else i
-            for i in pool.decode
-        ]
-        return dataclasses.replace(pool, prefill=prefill, decode=decode)
 
     def _account(self, decision: RouteDecision, *, bound: bool = True) -> None:
         m = self.metrics
@@ -431,14 +379,18 @@ class RoutingService:
             if name is not None:  # says once per pod and profile why it has no trusted one
                 self.trust.fallback_used(name, decision.fallback)
 
-    def _forget(self, request_id: str) -> Entry | None:
+    def _release(self, request_id: str) -> None:
+        """Drop what the service holds of a request: its late binding, its gRPC lease."""
         self._unbound.pop(request_id, None)
         lease = self._leases.pop(request_id, None)
         if lease is not None:
             self._per_client[lease.client] -= 1
             if not self._per_client[lease.client]:
                 del self._per_client[lease.client]
-        return self.state.finished(request_id)
+
+    def _forget(self, request_id: str) -> Entry | None:
+        self._release(request_id)
+        return self.router.forget(request_id)
 
     def pod_failed(self, pod: str) -> None:
         """A pod failed a request leg (refused, reset, 5xx): stop routing to it until a scrape
@@ -474,7 +426,7 @@ class RoutingService:
     # ------------------------------------------------------------------ reporting
     def prefilled(self, request_id: str) -> bool:
         self._renew(request_id)
-        return self.state.prefilled(request_id)
+        return self.router.prefilled(request_id)
 
     def progress(
         self, request_id: str, generated: int, first_token_at: float | None = None
@@ -482,7 +434,7 @@ class RoutingService:
         """`generated` output tokens so far; `first_token_at` (default: now) is when the first
         was seen, for a reporter that knows it better than the report's arrival."""
         self._renew(request_id)
-        return self.state.progress(request_id, generated, self.clock(), first_token_at)
+        return self.router.progress(request_id, generated, self.clock(), first_token_at)
 
     def finished(
         self,
@@ -496,35 +448,21 @@ class RoutingService:
         met: bool | None = None,
     ) -> bool:
         """A completed request; `met` overrides judging the SLO on ttft_s/tpot_s."""
-        rec = self._forget(request_id)
+        self._release(request_id)
+        rec = self.router.finished(request_id, output_tokens)
         if rec is None:
             return False
         self.metrics.inflight.set(self.state.inflight)
-        if output_tokens > 0:
-            self.predictor.observe(rec.slo.name, rec.prompt_tokens, output_tokens)
-        self.spread.add(float(rec.prompt_tokens + output_tokens))
-        self.metrics.heterogeneity.set(self.spread.cv)
-        self.demand.finished(
-            self.clock(),
-            rec.prompt_tokens,
+        self.outcomes.finished(
+            rec,
             output_tokens,
-            ttft_s / rec.slo.ttft_s,
-            tpot_s / rec.slo.tpot_s,
+            ttft_s,
+            tpot_s,
+            self.clock(),
+            predicted_ttft_s=predicted_ttft_s,
+            predicted_tpot_s=predicted_tpot_s,
+            met=met,
         )
-        if met is None:
-            met = rec.slo.met(ttft_s, tpot_s)
-        self.metrics.outcome(rec.slo.name, "met" if met else "missed")
-        err = self.metrics.prediction_error
-        if predicted_ttft_s is not None and ttft_s > 0:
-            err.labels("ttft").observe(abs(predicted_ttft_s - ttft_s) / ttft_s)
-            # The TTFT is the prefilling pod's doing (the decode pod's on the local path).
-            pod = rec.prefill or rec.decode
-            if pod:
-                self.drift.observe(pod, "ttft", predicted_ttft_s, ttft_s)
-        if predicted_tpot_s is not None and tpot_s > 0 and output_tokens > 1:
-            err.labels("tpot").observe(abs(predicted_tpot_s - tpot_s) / tpot_s)
-            if rec.decode:
-                self.drift.observe(rec.decode, "tpot", predicted_tpot_s, tpot_s)
         return True
 
     def failed(self, request_id: str, error: str = "", *, aborted: bool = False) -> bool:
@@ -533,10 +471,7 @@ class RoutingService:
         if rec is None:
             return False
         self.metrics.inflight.set(self.state.inflight)
-        if aborted:
-            self.metrics.requests.labels(rec.slo.name, "aborted").inc()
-        else:
-            self.metrics.outcome(rec.slo.name, "failed")
+        self.outcomes.failed(rec, aborted=aborted)
         if error:
             log.info("request %s failed: %s", request_id, error)
         return True
@@ -548,15 +483,37 @@ class RoutingService:
         now = self.clock()
         lapsed = [rid for rid, lease in self._leases.items() if lease.until < now]
         gone = [rec for rid in lapsed if (rec := self._forget(rid)) is not None]
-        for rec in self.state.expired(now, self.config.inflight_ttl_s):
-            self._forget(rec.request_id)
+        for rec in self.router.expired(now, self.config.inflight_ttl_s):
+            self._release(rec.request_id)
             gone.append(rec)
         for rec in gone:
-            self.metrics.outcome(rec.slo.name, "failed")
+            self.outcomes.failed(rec)
             log.warning("request %s expired in flight (no report)", rec.request_id)
         if gone:
             self.metrics.inflight.set(self.state.inflight)
         return len(gone)
+
+
+class _Timed:
+    """The policy, with the time each decision takes in `disaggpool_route_decision_seconds`
+    (the router is pure and reads no clock; the sidecar may)."""
+
+    def __init__(self, policy: Policy, metrics: SidecarMetrics) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self._seconds = metrics.decision_seconds
+
+    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
+        started = time.perf_counter()
+        decision = self.policy.route(req, pool, rng)
+        self._seconds.observe(time.perf_counter() - started)
+        return decision
+
+    def route_decode(self, choice: DecodeChoice, rng: random.Random) -> RouteDecision:
+        started = time.perf_counter()
+        decision = self.policy.route_decode(choice, rng)
+        self._seconds.observe(time.perf_counter() - started)
+        return decision
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,14 +1,20 @@
-"""The sidecar's live view of its pool: members, scraped gauges, health, profiles, and its ledger.
+"""The sidecar's live view of its pool: members, scraped gauges, health, profiles, and the books.
 
-Collectors (`scrape`, `membership`, `profiles`) write into it; the routing service books requests
-in its `core.ledger.Ledger`, the same ledger the simulator's router keeps; the hot path reads a
-`PoolSnapshot` built by `core.ledger.view` from both (the rule is written down there).
+It is the router's table of pods (`core.pods.Pods`: what the policies see of each pod, and the
+ledger the router books requests in) with what only the sidecar knows of a pod: its URL, its
+scrape failures, its KV event index, its model length. Collectors (`scrape`, `membership`,
+`profiles`) write into it; the router (`core.router.Router`, run by `sidecar.service`) books the
+requests; the hot path reads the `PoolSnapshot` built by `core.ledger.view` from both (the rule is
+written down there), each pod's view cached until it or its account changes.
 
 With `prefix_index`, it also keeps a `core.prefix_index.PrefixIndex`: the prompt blocks the router
 sent to each prefill pod (the approximate index; a pod that leaves, or a new pod behind a name,
 holds nothing we know of). A pod whose KV events the sidecar hears (`sidecar.kv_events`) also
 has an `EventIndex`, read instead while it is live: it has announced something, and it has not
 kept silent for `stale_after_s` after being sent blocks it did not hold (`cached_index`).
+
+A pod that leaves the membership stays, marked `removed` and out of every snapshot, until the
+last request routed to it ends.
 
 Everything runs on one asyncio loop, so there are no locks: each method is atomic with respect
 to the others. Time is passed in (`now`, monotonic seconds), never read here.
@@ -19,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
-from disaggpool.core.ledger import BUDGETS_REFRESH_S, Entry, Gauges, Ledger, view
+from disaggpool.core.ledger import Entry, Gauges
+from disaggpool.core.pods import Pod, Pods
 from disaggpool.core.prefix_index import EventIndex, PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.sidecar.config import Member
@@ -28,40 +34,29 @@ from disaggpool.sidecar.config import Member
 __all__ = ["Gauges", "Instance", "PoolState"]
 
 
-@dataclasses.dataclass(slots=True)
-class Instance:
-    """One pod: what the collectors know of it."""
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Instance(Pod):
+    """One pod: what the collectors know of it (`Pod`'s fields and the sidecar's own)."""
 
     member: Member
-    gauges: Gauges | None = None
     scraped_at: float = -1.0
-    healthy: bool = True
     failures: int = 0  # consecutive failed scrapes or connection errors
-    profile: CalibrationProfile | None = None
     profile_loaded_at: float = -1.0
-    removed: bool = False  # gone from membership; kept while requests are still in flight
-    view: InstanceSnapshot | None = None  # cached snapshot; None after any change
-    view_at: float = 0.0  # when it was built: its TPOT budgets age (core.ledger)
     events: EventIndex | None = None  # its cache as its KV events announce it (prefill pods)
     events_at: float = -1.0  # when its last event batch arrived (-1: none yet)
     awaiting_events_since: float | None = None  # sent new blocks at; cleared by any batch
     max_model_len: int | None = None  # from its /v1/models, once read (None: not yet)
 
-    @property
-    def name(self) -> str:
-        return self.member.name
-
-    @property
-    def role(self) -> Role:
-        return self.member.role
+    @classmethod
+    def of(cls, member: Member) -> Instance:
+        return cls(member.name, member.role, member=member)
 
 
-class PoolState:
+class PoolState(Pods[Instance]):
     """Members by name plus the ledger of in-flight requests (see the module docstring)."""
 
     def __init__(self, *, prefix_index: bool = False) -> None:
-        self.instances: dict[str, Instance] = {}
-        self.ledger = Ledger()
+        super().__init__()
         self.prefix = PrefixIndex() if prefix_index else None
 
     # ---------------------------------------------------------------- membership and collectors
@@ -72,7 +67,7 @@ class PoolState:
         for name, member in wanted.items():
             inst = self.instances.get(name)
             if inst is None:
-                self.instances[name] = Instance(member)
+                self.add(Instance.of(member))
                 added.append(name)
             elif inst.removed or inst.member != member:
                 if inst.member.url != member.url:  # a new pod behind the name: forget the old one
@@ -81,7 +76,7 @@ class PoolState:
                     inst.events, inst.events_at, inst.awaiting_events_since = None, -1.0, None
                     if self.prefix is not None:
                         self.prefix.forget(name)
-                inst.member, inst.removed = member, False
+                inst.member, inst.role, inst.removed = member, member.role, False
                 inst.view = None
         for name, inst in list(self.instances.items()):
             if name not in wanted and not inst.removed:
@@ -96,10 +91,9 @@ class PoolState:
         inst = self.instances.get(name)
         if inst is None:
             return
-        inst.gauges, inst.scraped_at = gauges, now
+        inst.scraped_at = now
         inst.healthy, inst.failures = True, 0
-        self.ledger.scraped(name)
-        inst.view = None
+        super().scraped(name, gauges, now)
 
     def unreachable(self, name: str, failures_to_unhealthy: int = 1) -> None:
         """A scrape or a request could not reach the pod."""
@@ -142,49 +136,9 @@ class PoolState:
         return inst.events
 
     # ---------------------------------------------------------------- request lifecycle
-    @property
-    def inflight(self) -> int:
-        return len(self.ledger.entries)
-
-    def is_inflight(self, request_id: str) -> bool:
-        return request_id in self.ledger.entries
-
-    def routed(self, entry: Entry) -> None:
-        self.ledger.routed(entry)
-        self._touched(entry)
-
-    def bind_decode(self, request_id: str, decode: str) -> Entry | None:
-        entry = self.ledger.bind_decode(request_id, decode)
-        self._touched(entry)
-        return entry
-
-    def prefilled(self, request_id: str) -> bool:
-        entry = self.ledger.prefilled(request_id)
-        self._touched(entry)
-        return entry is not None
-
-    def progress(
-        self, request_id: str, generated: int, now: float, first_token_at: float | None = None
-    ) -> bool:
-        """`generated` output tokens so far; the first call with > 0 marks it decoding."""
-        entry = self.ledger.progress(request_id, generated, now, first_token_at)
-        self._touched(entry)
-        return entry is not None
-
-    def finished(self, request_id: str) -> Entry | None:
-        """Forget a request (finished, failed or expired); returns its entry, if known."""
-        entry = self.ledger.finished(request_id)
-        self._touched(entry)
-        return entry
-
-    def expired(self, now: float, ttl: float) -> list[Entry]:
-        """Forget requests routed more than `ttl` seconds ago (a caller that never reported)."""
-        gone = self.ledger.expired(now, ttl)
-        for entry in gone:
-            self._touched(entry)
-        return gone
-
-    def _touched(self, entry: Entry | None) -> None:
+    def touched(self, entry: Entry | None) -> None:
+        """`entry`'s pods changed: their views are stale, and a removed pod whose last request
+        this was is collected."""
         if entry is None:
             return
         for name in (entry.prefill, entry.decode):
@@ -200,38 +154,3 @@ class PoolState:
         if not self.ledger.busy(name):
             self.instances.pop(name, None)
             self.ledger.forget(name)
-
-    # ---------------------------------------------------------------- the hot path's view
-    def members(self, role: Role) -> list[Instance]:
-        return [i for i in self.instances.values() if i.role == role and not i.removed]
-
-    def snapshot(self, now: float) -> PoolSnapshot:
-        """The pool as the policies see it; unchanged pods reuse their cached view."""
-        prefill: list[InstanceSnapshot] = []
-        decode: list[InstanceSnapshot] = []
-        accounts = self.ledger.accounts
-        for name, inst in self.instances.items():
-            if inst.removed:
-                continue
-            snap = inst.view
-            # TPOT budgets shrink with time: a view carrying some is rebuilt once they are stale.
-            if snap is None or (
-                snap.tpot_budgets.seconds and not 0.0 <= now - inst.view_at < BUDGETS_REFRESH_S
-            ):
-                inst.view_at = now
-                snap = inst.view = view(
-                    name,
-                    snap.role if snap is not None else inst.member.role,
-                    accounts.get(name),
-                    inst.gauges,
-                    now=now,
-                    healthy=inst.healthy,
-                    profile=inst.profile,
-                )
-            (decode if snap.role == "decode" else prefill).append(snap)
-        return PoolSnapshot(
-            now=now,
-            prefill=prefill,
-            decode=decode,
-            unbound_kv_tokens=self.ledger.unbound_kv_tokens,
-        )

@@ -6,12 +6,14 @@ merged in from the (sorted) trace rather than pushed on the heap. At equal times
 run before arrivals, and wake-ups in instance order, so that the router sees up-to-date state and
 runs are deterministic; a stale wake-up (the engine rescheduled since) is skipped by its version.
 
-Routing is done by `sim.router.RouterReplica`s, which keep the sidecar's own ledger
-(`core.ledger`) and build the same `PoolSnapshot` from it, then call the same `core.policies`
-objects. What the router knows is part of the scenario (`RouterOptions`): how stale its scraped
-gauges are, how many independent router replicas share the arrivals, and whether the decode
-instance is chosen at arrival or when the prefill leg returns (late binding, as the sidecar's
-front door can). The output-length predictor learns from completions as it would in production.
+Routing is done by the production router, `core.router.Router`, one per router replica
+(`sim.router.RouterReplica`, which tells it what a sidecar would observe of the engines): the
+loop hands it each arrival, each prefill leg that answers (late binding: it chooses the decode
+instance then) and each end, and does what it decided. What the router knows is part of the
+scenario (`RouterOptions`): how stale its scraped gauges are, how many independent router
+replicas share the arrivals, and whether the decode instance is chosen at arrival or when the
+prefill leg returns (late binding, as the sidecar's front door can). The output-length predictor
+learns from completions as it would in production.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from disaggpool.core.contracts import RequestFeatures, SLOClass
+from disaggpool.core.contracts import SLOClass
 from disaggpool.core.policies.base import Policy
 from disaggpool.core.predictor import OutputPredictor
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.router import Request
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.request import EngineRequest, SchedulingPolicy
@@ -180,17 +183,20 @@ class Simulation:
                 self.prefill,
                 self.serving,
                 believed,
+                policy=self.policies[r],
+                predictor=predictor,
+                rng=self.rng,  # one stream for every replica: the runs stay seeded as one
                 scrape_interval_s=router.scrape_interval_s,
                 phase_s=router.scrape_interval_s * r / n,
                 prefix_index=router.prefix_index,
                 own_books=router.own_books,
+                late_binding=router.late_binding,
             )
             for r in range(n)
         ]
         self._engines: list[PrefillEngine | DecodeEngine] = [*self.prefill, *self.decode]
         self._index = {e.name: i for i, e in enumerate(self._engines)}
         self._served = [0] * len(self._engines)
-        self._features: dict[int, RequestFeatures] = {}  # requests awaiting late binding
         self._bound = dict.fromkeys((d.name for d in self.decode), 0)  # requests bound to each
         self._version = [0] * len(self._engines)
         self._heap: list[tuple[float, int, int]] = []  # (time, engine index, version)
@@ -261,68 +267,54 @@ class Simulation:
         return self.routers[req.index % len(self.routers)]
 
     def _arrive(self, req: EngineRequest, now: float) -> None:
-        pred = self.predictor.predict(req.slo_class, req.prompt_tokens, self.rng, req.output_tokens)
-        req.predicted_output = pred.mean
-        slo = self.slo_classes[req.slo_class]
-        router = self._router(req)
-        features = RequestFeatures(
-            request_id=str(req.index),
-            prompt_tokens=req.prompt_tokens,
-            predicted_output_tokens=pred.mean,
-            output_uncertainty=pred.std,
-            slo=slo,
-            prefix_hits=router.prefix_hits(req),
+        replica = self._router(req)
+        replica.observe(now)
+        placed = replica.router.route(
+            Request(
+                req.key,
+                req.prompt_tokens,
+                self.slo_classes[req.slo_class],
+                blocks=req.blocks,
+                block_tokens=req.block_tokens,
+                true_output_tokens=req.output_tokens,
+            ),
+            now,
         )
-        policy = self.policies[req.index % len(self.policies)]
-        decision = policy.route(features, router.snapshot(now), self.rng)
+        req.predicted_output = placed.features.predicted_output_tokens
+        decision = placed.decision
         if decision.shed:  # refused at the door: it counts as missed, it takes no capacity
             req.shed = True
             return
         req.priority = decision.priority
         if decision.prefill is None:  # the P/D decider's local path: the decode engine prefills
             self._bind(req, decision.decode)
-            router.routed(req, None, decision.decode, slo, now)
             d_idx = self._index[decision.decode]
             started = self.decode[d_idx - len(self.prefill)].enqueue(req, now, prefill_here=True)
             if req.rejected:
-                router.finished(req)
+                replica.router.forget(req.key)
                 self._unbind(req)
                 return
             self._after_decode(d_idx, started, [], [], now)
             return
         p_idx = self._index[decision.prefill]
         req.prefill_instance = decision.prefill
-        late = self.options.late_binding
-        if late:
-            self._features[req.index] = features
-        else:
+        if not placed.late:
             self._bind(req, decision.decode)
-        router.routed(
-            req,
-            decision.prefill,
-            None if late else decision.decode,
-            slo,
-            now,
-            features.prefix_hits.get(decision.prefill, 0),
-        )
         self._engines[p_idx].enqueue(req, now)
-        if req.rejected:  # never admitted: it must not linger in the router's accounting
-            router.finished(req)
-            self._features.pop(req.index, None)
+        if req.rejected:  # never admitted: it must not linger in the router's books
+            replica.router.forget(req.key)
             self._unbind(req)
             return
         self._reschedule(p_idx)
 
     def _bind_decode(self, req: EngineRequest, now: float) -> int:
-        """Late binding: the prefill leg of `req` returned; choose its decode instance now."""
-        router = self._router(req)
-        features = self._features.pop(req.index)
-        policy = self.policies[req.index % len(self.policies)]
-        decision = policy.route_decode(
-            features, router.snapshot(now), self.rng, req.prefill_instance, now - req.arrival
-        )
+        """Late binding: the prefill leg of `req` returned; the router chooses its decode
+        instance now."""
+        replica = self._router(req)
+        replica.observe(now)
+        decision = replica.router.bind_decode(req.key, now)
+        assert decision is not None  # routed late and not finished: it awaits its decode pod
         self._bind(req, decision.decode)
-        router.bind_decode(req, decision.decode)
         return self._index[decision.decode]
 
     def _wake(self, idx: int, now: float) -> None:
@@ -330,16 +322,16 @@ class Simulation:
         if isinstance(engine, PrefillEngine):
             for req in engine.advance(now):
                 self._served[idx] += 1
-                router = self._router(req)
-                router.prefilled(req)
-                if self.options.late_binding:
-                    d_idx = self._bind_decode(req, now)
-                else:
+                router = self._router(req).router
+                router.prefilled(req.key)
+                if req.decode_instance:
                     d_idx = self._index[req.decode_instance]
+                else:
+                    d_idx = self._bind_decode(req, now)
                 started = self.decode[d_idx - len(self.prefill)].enqueue(req, now)
                 if req.rejected:  # the decode side can never hold it: free its prefill KV too
                     engine.release(req, now)
-                    router.finished(req)
+                    router.forget(req.key)
                     self._unbind(req)
                 self._after_decode(d_idx, started, [], [], now)
             self._reschedule(idx)
@@ -362,9 +354,8 @@ class Simulation:
             self._reschedule(p_idx)
         for req in finished:
             self._served[idx] += 1
-            self._router(req).finished(req)
+            self._router(req).router.finished(req.key, req.output_tokens)
             self._unbind(req)
-            self.predictor.observe(req.slo_class, req.prompt_tokens, req.output_tokens)
             if self.controller is not None:
                 self.controller.finished(req, now)
         self._reschedule(idx)
@@ -383,6 +374,8 @@ class Simulation:
         engine = self.decode[self._index[name] - len(self.prefill)]
         if engine not in self.serving:
             self.serving.append(engine)
+            for replica in self.routers:
+                replica.serve(name)
 
     def drain(self, name: str) -> None:
         """Decode instance `name` takes no new request; it finishes those it was given."""
@@ -391,6 +384,8 @@ class Simulation:
             if len(self.serving) == 1:
                 raise ValueError("the last serving decode instance cannot be drained")
             self.serving.remove(engine)
+            for replica in self.routers:
+                replica.drain(name)
 
     def bound(self, name: str) -> int:
         """Requests routed to decode instance `name` and not finished."""

@@ -1,41 +1,46 @@
-"""One router replica in the simulator: what it knows of the pool, kept as the sidecar keeps it.
+"""One router replica in the simulator: the production `core.router.Router`, told what a sidecar
+would observe of the engines.
 
-It plays the sidecar's part with the sidecar's own bookkeeping: a `core.ledger.Ledger` of the
-requests it routed, fed the reports a real router gets (routed, prefill leg answered, tokens
-streamed, finished), plus engine gauges read as a scrape would read them. `scrape_interval_s`
-says how fresh those gauges are: 0 reads the engines at every decision (a router that knows the
-instantaneous state), a positive interval reads them on that period, starting at `phase_s`, so
-between scrapes the replica sees only its own bookkeeping on top of the last scrape. Tokens
-produced are reported at every decision, as a front door counting streamed tokens knows them.
+The replica is the simulator's side of the router's adapter, what the sidecar's collectors and
+front door are in production: before each decision (`observe`) it scrapes the engines when a
+scrape is due and reports the output tokens streamed so far, and the simulator reports the rest
+(routed, prefill leg answered, finished) to the router at the moments a real router gets them.
+`scrape_interval_s` says how fresh the gauges are: 0 reads the engines at every decision (a
+router that knows the instantaneous state), a positive interval reads them on that period,
+starting at `phase_s`, so between scrapes the router sees only its own books on top of the last
+scrape. Tokens produced are reported at every decision, as a front door counting streamed tokens
+knows them.
 
 Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
-share of the arrivals and seeing only its own requests in its ledger; the gauges are the only
+share of the arrivals and seeing only its own requests in its books; the gauges are the only
 thing they share, which is what makes greedy placement herd. The decode instances a replica sees
-are the serving ones: an autoscaled simulation adds and drains them under it. With
-`prefix_index`, a replica also keeps a `core.prefix_index.PrefixIndex` of the prompt blocks it
-sent to each prefill instance and tells the policy what each would find cached (`prefix_hits`).
-Without `own_books` the policy sees the gauges alone (the ledger is still kept, for late binding
-and the reports, but not shown): a router that keeps no books, which the `herding` experiment
+are the serving ones: an autoscaled simulation starts and drains them under it (`serve`,
+`drain`). With `prefix_index`, the router keeps the approximate index of the prompt blocks it
+sent to each prefill instance (`core.router.ApproximatePrefix`). Without `own_books` the policy
+sees the gauges alone (`core.pods`): a router that keeps no books, which the `herding` experiment
 needs. Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 
-from disaggpool.core.contracts import PoolSnapshot, SLOClass
-from disaggpool.core.ledger import Entry, Gauges, Ledger, view
+from disaggpool.core.ledger import Gauges
+from disaggpool.core.pods import Pod, Pods
+from disaggpool.core.policies.base import Policy
+from disaggpool.core.predictor import OutputPredictor
 from disaggpool.core.prefix_index import PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
+from disaggpool.core.router import ApproximatePrefix, Router
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
-from disaggpool.engine.request import EngineRequest
 
 __all__ = ["RouterReplica"]
 
 
 class RouterReplica:
-    """A router's ledger and last scrape of the pool (see the module docstring)."""
+    """A router and what it observes of the engines (see the module docstring)."""
 
     def __init__(
         self,
@@ -43,124 +48,72 @@ class RouterReplica:
         decode: list[DecodeEngine],
         believed: Mapping[str, CalibrationProfile | None],
         *,
+        policy: Policy,
+        predictor: OutputPredictor,
+        rng: random.Random,
         scrape_interval_s: float = 0.0,
         phase_s: float = 0.0,
         prefix_index: bool = False,
         own_books: bool = True,
+        late_binding: bool = False,
     ) -> None:
         self.prefill = list(prefill)
         # Not copied: the simulator changes the serving decode instances in place as it scales.
         self.decode = decode
-        self.profiles = dict(believed)
-        self.ledger = Ledger()
+        # Views are rebuilt at every decision (refresh_s=0): results never depend on the cache.
+        self.pods: Pods[Pod] = Pods(own_books=own_books, refresh_s=0.0)
+        self._believed = believed
+        self._decode_pods: dict[str, Pod] = {}  # every decode instance served so far
+        for p in self.prefill:
+            self.pods.add(Pod(p.name, "prefill", profile=believed[p.name]))
+        for d in decode:
+            self.serve(d.name)
+        self.ledger = self.pods.ledger
+        prefix = ApproximatePrefix(PrefixIndex(), self.pods) if prefix_index else None
+        self.router = Router(
+            policy, predictor, rng, self.pods, prefix=prefix, late_binding=late_binding
+        )
         self.scrape_interval_s = scrape_interval_s
         self._next_scrape = phase_s
-        self._gauges: dict[str, Gauges] = {}
-        self.index = PrefixIndex() if prefix_index else None
-        self.own_books = own_books
 
-    # ---------------------------------------------------------------- reports
-    def routed(
-        self,
-        req: EngineRequest,
-        prefill: str | None,
-        decode: str | None,
-        slo: SLOClass,
-        now: float,
-        cached_tokens: int = 0,
-    ) -> None:
-        """Book a routed request; `cached_tokens`: what the index told the policy the prefill
-        instance holds of its prompt (`prefix_hits`), booked as work it need not do."""
-        entry = Entry(
-            req.key, prefill, decode, req.prompt_tokens, req.predicted_output, slo, now,
-            cached_tokens=cached_tokens, priority=req.priority,
-        )  # fmt: skip
-        if self.index is not None and prefill is not None and req.blocks:
-            n = req.prompt_tokens
-            believed = self.profiles[prefill]  # the index is bounded by the KV it believes
-            capacity = (believed.kv_capacity_tokens if believed is not None else 0) or n
-            self.index.record(prefill, req.blocks, n, req.block_tokens, capacity)
-        self.ledger.routed(entry)
-
-    def prefix_hits(self, req: EngineRequest) -> Mapping[str, int]:
-        """Prefill instance -> prompt tokens of `req` the index believes it has cached."""
-        if self.index is None or not req.blocks:
-            return {}
-        return self.index.hits(
-            (p.name for p in self.prefill), req.blocks, req.prompt_tokens, req.block_tokens
-        )
-
-    def bind_decode(self, req: EngineRequest, decode: str) -> None:
-        self.ledger.bind_decode(req.key, decode)
-
-    def prefilled(self, req: EngineRequest) -> None:
-        self.ledger.prefilled(req.key)
-
-    def finished(self, req: EngineRequest) -> None:
-        """Finished, or refused by an engine: either way the router forgets it."""
-        self.ledger.finished(req.key)
-
-    def scraped(self, name: str, gauges: Gauges, now: float) -> None:
-        """A scrape of engine `name` at `now` (what the sidecar's collector does)."""
-        self._gauges[name] = gauges
-        self.ledger.scraped(name)
-
-    def progress(self, req: EngineRequest, produced: int, now: float) -> None:
-        """`produced` output tokens of `req` reached its client by `now`, the first of them at
-        its first-token time (what the front door counts as the tokens pass)."""
-        self.ledger.progress(req.key, produced, now, req.first_token)
-
-    # ---------------------------------------------------------------- the view
-    def _scrape(self, now: float) -> None:
-        for p in self.prefill:
-            cap = p.profile.kv_capacity_tokens
-            self.scraped(p.name, Gauges(p.num_running, p.num_waiting, p.kv_used / cap, cap), now)
-        for d in self.decode:
-            cap = d.profile.kv_capacity_tokens
-            kv_used, _ = d.observe(now)
-            self.scraped(d.name, Gauges(d.num_running, d.num_waiting, kv_used / cap, cap), now)
-
-    def snapshot(self, now: float) -> PoolSnapshot:
-        """Bring the ledger up to `now` (a scrape when one is due, the tokens streamed so far),
-        then the pool as the policy sees it."""
+    def observe(self, now: float) -> None:
+        """What the router has heard by `now`: a scrape when one is due, then the output tokens
+        streamed so far, each the first time it is more than the books hold."""
         if self.scrape_interval_s <= 0.0:
             self._scrape(now)
         elif now >= self._next_scrape:
             self._scrape(now)
             missed = int((now - self._next_scrape) / self.scrape_interval_s)
             self._next_scrape += (missed + 1) * self.scrape_interval_s
-        entries = self.ledger.entries
+        streamed = self.router.streamed
         for d in self.decode:
-            for req, produced in d.produced_by(now):
-                entry = entries.get(req.key)
-                if entry is not None and produced > entry.generated:
-                    self.progress(req, produced, now)
-        accounts = self.ledger.accounts if self.own_books else {}
-        gauges = self._gauges
-        profiles = self.profiles
-        return PoolSnapshot(
-            now=now,
-            prefill=[
-                view(
-                    e.name,
-                    "prefill",
-                    accounts.get(e.name),
-                    gauges.get(e.name),
-                    now=now,
-                    profile=profiles[e.name],
-                )
-                for e in self.prefill
-            ],
-            decode=[
-                view(
-                    e.name,
-                    "decode",
-                    accounts.get(e.name),
-                    gauges.get(e.name),
-                    now=now,
-                    profile=profiles[e.name],
-                )
-                for e in self.decode
-            ],
-            unbound_kv_tokens=self.ledger.unbound_kv_tokens if self.own_books else 0.0,
-        )
+            streamed(
+                [(req.key, produced, req.first_token) for req, produced in d.produced_by(now)],
+                now,
+            )
+
+    def _scrape(self, now: float) -> None:
+        """What the sidecar's collector reads of every engine's `/metrics`."""
+        scraped = self.pods.scraped
+        for p in self.prefill:
+            cap = p.profile.kv_capacity_tokens
+            scraped(p.name, Gauges(p.num_running, p.num_waiting, p.kv_used / cap, cap), now)
+        for d in self.decode:
+            cap = d.profile.kv_capacity_tokens
+            kv_used, _ = d.observe(now)
+            scraped(d.name, Gauges(d.num_running, d.num_waiting, kv_used / cap, cap), now)
+
+    # ---------------------------------------------------------------- the serving decode set
+    def serve(self, name: str) -> None:
+        """Decode instance `name` takes requests again, after those already serving (the last
+        gauges read of it are kept until the next scrape, as a sidecar keeps them)."""
+        if name in self.pods.instances:
+            return
+        pod = self._decode_pods.get(name)
+        if pod is None:
+            pod = self._decode_pods[name] = Pod(name, "decode", profile=self._believed[name])
+        self.pods.add(pod)
+
+    def drain(self, name: str) -> None:
+        """Decode instance `name` takes no new request."""
+        self.pods.remove(name)

@@ -1,35 +1,78 @@
-"""The one interface every routing policy implements, and the helpers they share.
+"""The one interface every routing policy implements, the shape they share, and their helpers.
 
-A policy maps (request features, pool snapshot, seeded RNG) to a `RouteDecision`. It may keep
-state of its own (a round-robin cursor) but reads no clock and does no I/O, so the simulator and
-the sidecar call the very same objects. Adding a policy is one module plus one line in
-`registry.py`.
+A policy maps (request features, pool snapshot, seeded RNG) to a `RouteDecision`: `route` chooses
+the prefill and the decode pod of a new request, `route_decode` the decode pod alone of a request
+whose prefill leg answered (late binding; a retry), given as a `DecodeChoice`. It may keep state
+of its own (a round-robin cursor) but reads no clock and does no I/O, so the simulator and the
+sidecar call the very same objects, through `core.router.Router`.
+
+The shape. The Gateway API Inference Extension's endpoint picker (and llm-d's scheduler built on
+it) runs, per role, *filters* (which pods may take the request), *scorers* (a number per pod)
+and one *picker* (which pod, from the scores). Ours follow it as far as their rules allow:
+
+* Filter: the healthy pods of each role (`healthy`); the router marks the pods a retry must avoid
+  unhealthy, so every policy honours them with no code of its own.
+* `PerRole` policies choose the prefill and the decode pod each on its own, by one `pick` per
+  role: a scorer and a picker together. The counting baselines score a pod by one count (requests
+  in flight, queued tokens) and `argmin` picks the lowest, ties broken by the seeded RNG;
+  round-robin, random and power-of-two are pickers alone; `llmd_weighted` is llm-d's weighted sum
+  of normalised scorers with its max-score picker, faithfully, because that is the rule it
+  reproduces. Late binding picks the decode pod again (stage ``"bound"``), with no code of its own.
+* The calibrated policy does not decompose into per-pod scores. It scores a (prefill, decode)
+  *pair* (the decode pod's TTFT depends on where and when the prompt is prefilled), its score is
+  lexicographic — fewest expected SLO violations, then least additional completion time — which
+  no weighted sum reproduces (no number of seconds is worth one violation), and its
+  bounded-load guard filters *after* scoring (it needs every pod's load, and the decision records
+  whether it overrode the cheapest). So it is one module with its stages named in its docstring
+  (`calibrated.py`); the P/D decider is a third path priced the same way.
+* P/D deciders wrap a policy (`deciders.ThresholdDecider`), as llm-d's decider plugin wraps the
+  prefill profile: the inner policy places, the decider says whether the prefill leg is skipped.
+
+Adding a policy: one module with a class that has a `name` and implements `route` (and
+`route_decode`, or subclasses `PerRole` and implements `pick`), plus one line in `registry.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
 
 from disaggpool.core import costmodel
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
 
-__all__ = ["NoCapacityError", "Policy", "find", "healthy", "with_predictions"]
+__all__ = [
+    "DecodeChoice",
+    "Key",
+    "NoCapacityError",
+    "PerRole",
+    "Policy",
+    "Stage",
+    "argmin",
+    "find",
+    "healthy",
+    "with_predictions",
+]
 
 
 class NoCapacityError(RuntimeError):
     """No healthy instance of a role: the caller should answer 503, not guess."""
 
 
-class Policy(Protocol):
-    """Chooses a prefill and a decode instance for one request.
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeChoice:
+    """A request whose prefill leg on `prefill` answered `elapsed_s` after it arrived (its TTFT
+    already carries that time), to be given a decode pod on `pool`."""
 
-    `route` chooses both when the request arrives. `route_decode` chooses the decode instance
-    alone for a request whose prefill leg on `prefill` has returned (late binding), on the state
-    of that moment; `elapsed_s` is the time since the request arrived, which its TTFT already
-    carries.
-    """
+    req: RequestFeatures
+    pool: PoolSnapshot
+    prefill: str
+    elapsed_s: float
+
+
+class Policy(Protocol):
+    """Chooses a prefill and a decode instance for one request (module docstring)."""
 
     name: str
 
@@ -37,14 +80,51 @@ class Policy(Protocol):
         self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random
     ) -> RouteDecision: ...
 
-    def route_decode(
+    def route_decode(self, choice: DecodeChoice, rng: random.Random) -> RouteDecision: ...
+
+
+#: Which pick a `PerRole` policy is asked for: a new request's prefill or decode pod, or the
+#: decode pod of a request whose prefill leg answered (late binding).
+Stage = Literal["prefill", "decode", "bound"]
+
+#: A scorer: lower is better.
+Key = Callable[[InstanceSnapshot], float]
+
+
+def argmin(instances: Sequence[InstanceSnapshot], key: Key, rng: random.Random) -> InstanceSnapshot:
+    """The picker of the counting policies: the lowest `key`, ties broken by the seeded RNG, so
+    that a tie never systematically favours the first pod."""
+    best = min(key(i) for i in instances)
+    ties = [i for i in instances if key(i) == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+class PerRole:
+    """A policy that picks the prefill and the decode pod each on its own (module docstring);
+    subclasses implement `pick`."""
+
+    name = ""
+
+    def pick(
         self,
         req: RequestFeatures,
-        pool: PoolSnapshot,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
         rng: random.Random,
-        prefill: str,
-        elapsed_s: float,
-    ) -> RouteDecision: ...
+    ) -> InstanceSnapshot:
+        """One pod of `instances` (healthy, never empty) for `stage`."""
+        raise NotImplementedError
+
+    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
+        p = self.pick(req, healthy(pool.prefill, "prefill"), "prefill", rng)
+        d = self.pick(req, healthy(pool.decode, "decode"), "decode", rng)
+        return with_predictions(self.name, req, p, d)
+
+    def route_decode(self, choice: DecodeChoice, rng: random.Random) -> RouteDecision:
+        req, pool = choice.req, choice.pool
+        d = self.pick(req, healthy(pool.decode, "decode"), "bound", rng)
+        p = find(pool.prefill, choice.prefill)
+        return with_predictions(self.name, req, p, d, choice.elapsed_s)
 
 
 def healthy(instances: Sequence[InstanceSnapshot], role: str) -> Sequence[InstanceSnapshot]:

@@ -7,79 +7,51 @@
   remaining output tokens for decode.
 * `p2c`: power of two choices on in-flight counts.
 
-Ties are broken by the seeded RNG, so that a tie never systematically favours the first pod.
+Each is a `PerRole` policy (`core.policies.base`): one `pick` per role, ties broken by the seeded
+RNG, so that a tie never systematically favours the first pod.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
-from disaggpool.core.policies.base import find, healthy, with_predictions
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
+from disaggpool.core.policies.base import PerRole, Stage, argmin
 
 __all__ = ["LeastLoaded", "LengthHeuristic", "PowerOfTwo", "RandomChoice", "RoundRobin"]
 
-Key = Callable[[InstanceSnapshot], float]
 
-
-def argmin(instances: Sequence[InstanceSnapshot], key: Key, rng: random.Random) -> InstanceSnapshot:
-    best = min(key(i) for i in instances)
-    ties = [i for i in instances if key(i) == best]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
-
-
-class _Baseline:
-    """Independent prefill and decode choices; subclasses say how to pick one instance."""
-
-    name = ""
-    _bound_role = "decode"  # the role `route_decode` names to `_pick` (late binding)
-
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
-    ) -> InstanceSnapshot:
-        raise NotImplementedError
-
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        p = self._pick(healthy(pool.prefill, "prefill"), "prefill", rng)
-        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
-        return with_predictions(self.name, req, p, d)
-
-    def route_decode(
-        self,
-        req: RequestFeatures,
-        pool: PoolSnapshot,
-        rng: random.Random,
-        prefill: str,
-        elapsed_s: float,
-    ) -> RouteDecision:
-        d = self._pick(healthy(pool.decode, "decode"), self._bound_role, rng)
-        return with_predictions(self.name, req, find(pool.prefill, prefill), d, elapsed_s)
-
-
-class RoundRobin(_Baseline):
+class RoundRobin(PerRole):
     name = "round_robin"
 
     def __init__(self) -> None:
         # Late binding asks `route` for a decode pod it then discards, and `route_decode` for the
-        # one it keeps: each has its own cursor, so the kept ones take turns in binding order.
-        self._next = {"prefill": 0, "decode": 0, "bound": 0}
+        # one it keeps: each stage has its own cursor, so the kept ones take turns in binding
+        # order.
+        self._next: dict[Stage, int] = {"prefill": 0, "decode": 0, "bound": 0}
 
-    _bound_role = "bound"
-
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
     ) -> InstanceSnapshot:
-        i = self._next[role] % len(instances)
-        self._next[role] = i + 1
+        i = self._next[stage] % len(instances)
+        self._next[stage] = i + 1
         return instances[i]
 
 
-class RandomChoice(_Baseline):
+class RandomChoice(PerRole):
     name = "random"
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
     ) -> InstanceSnapshot:
         return rng.choice(instances)
 
@@ -88,11 +60,15 @@ def _load(i: InstanceSnapshot) -> float:
     return float(max(i.inflight, i.running + i.waiting))
 
 
-class LeastLoaded(_Baseline):
+class LeastLoaded(PerRole):
     name = "least_loaded"
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
     ) -> InstanceSnapshot:
         return argmin(instances, _load, rng)
 
@@ -105,21 +81,29 @@ def _outstanding_output(i: InstanceSnapshot) -> float:
     return i.remaining_output_tokens
 
 
-class LengthHeuristic(_Baseline):
+class LengthHeuristic(PerRole):
     name = "length"
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
     ) -> InstanceSnapshot:
-        key = _outstanding_prompt if role == "prefill" else _outstanding_output
+        key = _outstanding_prompt if stage == "prefill" else _outstanding_output
         return argmin(instances, key, rng)
 
 
-class PowerOfTwo(_Baseline):
+class PowerOfTwo(PerRole):
     name = "p2c"
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
     ) -> InstanceSnapshot:
         if len(instances) == 1:
             return instances[0]

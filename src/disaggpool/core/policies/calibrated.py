@@ -20,6 +20,13 @@ For each request:
    the requests already routed will claim (COSTMODEL.md, "The local path").
 5. Late binding (`route_decode`): steps 2-3 alone, when the prefill leg has returned.
 
+In the terms of `core.policies.base` (filters, scorers, picker): the filter is the healthy pods,
+each with the profile it is scored with (below); the prefill stage scores a pod by when the prompt
+would be ready there and picks the soonest; the decode stage scores each (chosen prefill, decode)
+pair by the lexicographic key (expected violations, ACT), the guard filters the scored pairs, and
+the picker takes the least key, the first in pool order on a tie. The key is not a weighted sum:
+no number of seconds of ACT is worth one SLO violation, so none is ever traded for the other.
+
 **Scarcity guard (bounded load).** Greedy ACT minimisation trusts its estimates most exactly when
 they are worst: when the pool is overloaded, every instance has a long admission queue, the queue
 estimates are at their least accurate, and small differences steer a stream of requests onto one
@@ -28,7 +35,7 @@ share of all in-flight requests, the share weighted by its calibrated decode thr
 light load the cap rarely binds and the cost model decides; under scarcity every instance sits
 near its cap and the policy degenerates gracefully to capacity-weighted spreading, which is what
 blind spreading does well. This is "consistent hashing with bounded loads" applied to cost
-minimisation. `slack=None` disables it (the greedy variant used to show the failure mode).
+minimisation. `slack=None` disables it (the greedy variant, which shows the failure mode).
 
 **Missing profiles.** An instance without a trusted profile is scored with the median trusted
 profile of its pool, and the decision says ``fallback="median-profile"``; with no trusted profile
@@ -67,7 +74,7 @@ from disaggpool.core.contracts import (
     RouteDecision,
     SLOClass,
 )
-from disaggpool.core.policies.base import healthy
+from disaggpool.core.policies.base import DecodeChoice, healthy
 from disaggpool.core.policies.baselines import LeastLoaded
 from disaggpool.core.profile import CalibrationProfile, DecodeModel, KVTransferModel
 
@@ -211,22 +218,16 @@ class CalibratedPolicy:
             unbound_kv_tokens=pool.unbound_kv_tokens,
         )
 
-    def route_decode(
-        self,
-        req: RequestFeatures,
-        pool: PoolSnapshot,
-        rng: random.Random,
-        prefill: str,
-        elapsed_s: float,
-    ) -> RouteDecision:
+    def route_decode(self, choice: DecodeChoice, rng: random.Random) -> RouteDecision:
+        pool, prefill = choice.pool, choice.prefill
         decodes = healthy(pool.decode, "decode")
         d_profiles, d_fallback = self._profiles(decodes)
         if d_profiles is None:
-            d = self._fallback.route_decode(req, pool, rng, prefill, elapsed_s)
+            d = self._fallback.route_decode(choice, rng)
             return RouteDecision(prefill, d.decode, self.name, fallback="least-loaded")
         d_profiles = self._measured_transfers(d_profiles, pool.decode)
         return self._decode(
-            req, prefill, elapsed_s, decodes, d_profiles, d_fallback, bound_late=True
+            choice.req, prefill, choice.elapsed_s, decodes, d_profiles, d_fallback, bound_late=True
         )
 
     def _decode(

@@ -12,7 +12,7 @@ import dataclasses
 import random
 
 from disaggpool.core.contracts import PoolSnapshot, RequestFeatures, RouteDecision
-from disaggpool.core.policies.base import Policy
+from disaggpool.core.policies.base import DecodeChoice, Policy
 
 __all__ = ["ThresholdDecider"]
 
@@ -33,12 +33,5 @@ class ThresholdDecider:
             return dataclasses.replace(decision, prefill=None)
         return decision
 
-    def route_decode(
-        self,
-        req: RequestFeatures,
-        pool: PoolSnapshot,
-        rng: random.Random,
-        prefill: str,
-        elapsed_s: float,
-    ) -> RouteDecision:
-        return self.inner.route_decode(req, pool, rng, prefill, elapsed_s)
+    def route_decode(self, choice: DecodeChoice, rng: random.Random) -> RouteDecision:
+        return self.inner.route_decode(choice, rng)

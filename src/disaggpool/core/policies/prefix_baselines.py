@@ -38,31 +38,36 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
-from disaggpool.core.policies.base import healthy, with_predictions
-from disaggpool.core.policies.baselines import _Baseline, argmin
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
+from disaggpool.core.policies.base import PerRole, Stage, argmin
 
 __all__ = ["CacheAware", "DynamoKv", "LlmdWeighted"]
 
 
-class _PrefixBaseline(_Baseline):
-    """A prefill rule of its own (it reads the request's cached prefixes); decode by
-    `_pick`, by load (the base class's `route_decode` serves late binding as is)."""
+class _PrefixBaseline(PerRole):
+    """A prefill rule of its own (`_prefill`: it reads the request's cached prefixes); decode by
+    `_decode`, by load, at arrival and at late binding alike."""
+
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
+    ) -> InstanceSnapshot:
+        if stage == "prefill":
+            return self._prefill(req, instances, rng)
+        return self._decode(instances, rng)
 
     def _prefill(
         self, req: RequestFeatures, instances: Sequence[InstanceSnapshot], rng: random.Random
     ) -> InstanceSnapshot:
         raise NotImplementedError
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def _decode(
+        self, instances: Sequence[InstanceSnapshot], rng: random.Random
     ) -> InstanceSnapshot:
         return argmin(instances, lambda i: i.inflight, rng)
-
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        p = self._prefill(req, healthy(pool.prefill, "prefill"), rng)
-        d = self._pick(healthy(pool.decode, "decode"), "decode", rng)
-        return with_predictions(self.name, req, p, d)
 
 
 class CacheAware(_PrefixBaseline):
@@ -116,8 +121,8 @@ class DynamoKv(_PrefixBaseline):
 
         return argmin(instances, cost, rng)
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def _decode(
+        self, instances: Sequence[InstanceSnapshot], rng: random.Random
     ) -> InstanceSnapshot:
         # KV blocks in use; the request's own new blocks are the same on every instance.
         def blocks(i: InstanceSnapshot) -> float:
@@ -164,7 +169,7 @@ class LlmdWeighted(_PrefixBaseline):
         hits = req.prefix_hits
         return self._best(instances, [min(1.0, hits.get(i.name, 0) / n) for i in instances], rng)
 
-    def _pick(
-        self, instances: Sequence[InstanceSnapshot], role: str, rng: random.Random
+    def _decode(
+        self, instances: Sequence[InstanceSnapshot], rng: random.Random
     ) -> InstanceSnapshot:
         return self._best(instances, [0.0] * len(instances), rng)

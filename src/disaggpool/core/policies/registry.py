@@ -75,7 +75,7 @@ class PolicyOptions:
 
 def default_options(policy: str) -> PolicyOptions:
     """The switches a router runs `policy` with unless told otherwise: the P/D decider is on for
-    the calibrated policies (it is where they earn most; README, ablation), everything else off.
+    the calibrated policies (where they earn most: `sim paper`'s ablation), everything else off.
     The sidecar's config, the CRD, scenario files and the demo all default to this."""
     return PolicyOptions(pd_decider=policy in CALIBRATED_FAMILY)
 

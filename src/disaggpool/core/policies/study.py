@@ -22,8 +22,8 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 
-from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, RequestFeatures, RouteDecision
-from disaggpool.core.policies.base import find, healthy, with_predictions
+from disaggpool.core.contracts import InstanceSnapshot, RequestFeatures
+from disaggpool.core.policies.base import PerRole, Stage
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = ["StudyWeightedPolicy"]
@@ -39,8 +39,9 @@ PRESSURE_FROM = 0.8
 REFERENCE_TPOT_S = 0.05
 
 
-class StudyWeightedPolicy:
-    """The study's weighted-sum scorer (module docstring); `profiles` overrides the constants."""
+class StudyWeightedPolicy(PerRole):
+    """The study's weighted-sum scorer (module docstring); `profiles` overrides the constants.
+    Each role by its own sum, the lowest first (`PerRole`)."""
 
     def __init__(
         self,
@@ -57,8 +58,20 @@ class StudyWeightedPolicy:
         prof = self._override.get(inst.name) if self._override is not None else inst.profile
         return prof if prof is not None and not prof.implausible else None
 
-    def route(self, req: RequestFeatures, pool: PoolSnapshot, rng: random.Random) -> RouteDecision:
-        prefills = healthy(pool.prefill, "prefill")
+    def pick(
+        self,
+        req: RequestFeatures,
+        instances: Sequence[InstanceSnapshot],
+        stage: Stage,
+        rng: random.Random,
+    ) -> InstanceSnapshot:
+        if stage == "prefill":
+            return self._prefill(req, instances)
+        return self._decode(req, instances)
+
+    def _prefill(
+        self, req: RequestFeatures, prefills: Sequence[InstanceSnapshot]
+    ) -> InstanceSnapshot:
         best_p, best_cost = prefills[0], math.inf
         for inst in prefills:
             prof = self._profile(inst)
@@ -69,26 +82,11 @@ class StudyWeightedPolicy:
                 cost = (inst.queued_tokens + req.prompt_tokens) * tau_pre
             if cost < best_cost:
                 best_p, best_cost = inst, cost
-        return self._decode(req, pool, best_p)
-
-    def route_decode(
-        self,
-        req: RequestFeatures,
-        pool: PoolSnapshot,
-        rng: random.Random,
-        prefill: str,
-        elapsed_s: float,
-    ) -> RouteDecision:
-        return self._decode(req, pool, find(pool.prefill, prefill), elapsed_s)
+        return best_p
 
     def _decode(
-        self,
-        req: RequestFeatures,
-        pool: PoolSnapshot,
-        prefill: InstanceSnapshot,
-        elapsed_s: float | None = None,
-    ) -> RouteDecision:
-        decodes: Sequence[InstanceSnapshot] = healthy(pool.decode, "decode")
+        self, req: RequestFeatures, decodes: Sequence[InstanceSnapshot]
+    ) -> InstanceSnapshot:
         sigma = REFERENCE_TPOT_S / req.slo.tpot_s
         o_hat = max(1.0, req.predicted_output_tokens)
         best_d, best_cost = decodes[0], math.inf
@@ -108,4 +106,4 @@ class StudyWeightedPolicy:
             )
             if cost < best_cost:
                 best_d, best_cost = inst, cost
-        return with_predictions(self.name, req, prefill, best_d, elapsed_s)
+        return best_d
