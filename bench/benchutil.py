@@ -25,8 +25,8 @@ from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.pdwire import prefill_leg_params
 from disaggpool.sim import capacity
-from disaggpool.sim.paper_config import PaperConfig
-from disaggpool.sim.paper_traces import mixed_trace
+from disaggpool.studies.paper_config import PaperConfig
+from disaggpool.studies.paper_traces import mixed_trace
 
 #: The nominal profile of the paper pool (Llama-3-8B on A40).
 PROFILE = "a40-llama3-8b"

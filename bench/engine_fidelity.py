@@ -31,9 +31,9 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
    `--segments` equal stretches (3; a request belongs to the stretch it arrives in, and a
    stretch runs until its last request is answered). The loads take turns, stretch by stretch
    (x0.5's first, x1's first, ..., x0.5's second, ...), each after a probe of its own: on this
-   shared machine the engine's speed moved by up to 2x within 20 minutes and within one
-   6-minute load, so a load replayed whole, after one probe, was predicted from a speed it no
-   longer had, and its loads at different speeds.
+   shared machine the engine's speed moves by up to 2x within 20 minutes and within one
+   6-minute load, so a load replayed whole after one probe would be predicted from a speed the
+   engine no longer has, and each load would meet another speed.
 4. **Measured.** `disaggpool loadgen`'s replay against the engine (token-id prompts of the exact
    length, outputs pinned by `ignore_eos`, streamed): goodput (95% bootstrap interval), TTFT and
    TPOT p50/p90/p99, requests late (TTFT) and slow (TPOT), the engine's own counters
@@ -51,7 +51,7 @@ the real thing: vLLM 0.32.0 on this CPU (the real-vLLM suite's venv and tiny mod
    the load's figures, measured and predicted alike.
 
 Errors: goodput in points (measured - predicted), p50/p99 TTFT and TPOT as measured /
-predicted - 1. The aim (issue #15): goodput within 5 points, p50 TTFT and TPOT within 15%.
+predicted - 1. The aim: goodput within 5 points, p50 TTFT and TPOT within 15%.
 Per load also the median TPOT of the requests every load replays (the lightest load's, the first
 of every trace), measured and predicted: the same requests at more load should decode no faster,
 so where the measured ones move between loads and the predicted do not, the engine's speed
@@ -66,69 +66,69 @@ Run: ``.venv/bin/python bench/engine_fidelity.py [--quick] [--duration S] [--loa
 (two loads of 30 s, whole, 20 s probes) is a smoke run; the default, three loads of 360 s in
 three stretches, each after a 45 s probe (more if the fit is poor), takes about 25 minutes (at
 120 s per load the lightest had 18 requests, one of them 5.6 points of goodput: the stretches
-are pooled). ``--segments 1`` replays each load whole after its probe, as runs before
-2026-12-06 08:00 did.
+are pooled). ``--segments 1`` replays each load whole after its probe.
 ``--repredict FILE`` starts no engine: it predicts again for the measurements FILE recorded (its
 profile, request path, seed and rates), to see what a change of the engine model does to the
 agreement with the same measurement.
+
+The real engine is `vllm_engine.py`'s, the simulator's half `fidelity_prediction.py`'s; this file
+is the trace, the measured half and the comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from tqdm import tqdm
+from typing import Any
 
 import benchutil
-from disaggpool import promtext
-from disaggpool.calibration.probe import ProbeConfig, ProbeResult, run_probe
+from disaggpool import progress
 from disaggpool.core.contracts import SLOClass
-from disaggpool.core.policies.registry import PolicyOptions
 from disaggpool.core.profile import CalibrationProfile, profile_from_dict, profile_to_dict
 from disaggpool.core.stats import bootstrap_share_interval
-from disaggpool.demo import free_port
 from disaggpool.formats.embedded import AZURE_2023_FILES, read_embedded_trace
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
-from disaggpool.operator.spec import DEFAULT_MAX_PROBE_ATTEMPTS
 from disaggpool.sim import capacity, workload
-from disaggpool.sim.cluster import InstanceSpec
 from disaggpool.sim.metrics import latency_percentiles
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
-from disaggpool.sim.runner import RunSpec, simulate
+from fidelity_prediction import (
+    SIM_SEEDS,
+    Part,
+    RequestPath,
+    by_company,
+    one_engine_run,
+    predicted,
+    tpot_in_company,
+)
+from vllm_engine import (
+    MAX_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    SERVED,
+    busy_shares,
+    counter,
+    cpu_split,
+    probe_engine,
+    real_engine,
+    request_path,
+    warm_up,
+)
 
-VENV = Path(os.environ.get("DISAGGPOOL_VLLM_VENV", "/var/cache/disaggpool/vllm-venv"))
-MODEL = Path(os.environ.get("DISAGGPOOL_VLLM_MODEL", "/var/cache/disaggpool/tiny-llama"))
-SERVED = "tiny"
-MAX_MODEL_LEN = 2048
-MAX_NUM_SEQS = 64
-MAX_BATCHED_TOKENS = 2048
 CLIP = (1536, 256)  # prompt, output: within MAX_MODEL_LEN
 BURST_CV = 3.0
 TARGET_GOODPUT = 0.85
-SIM_SEEDS = 5
-JITTER = 0.03
 LOADS = (0.5, 1.0, 1.5)
 SEGMENTS = 3  # each load's trace in this many stretches, each after a probe of its own
-PROBE_ATTEMPTS = DEFAULT_MAX_PROBE_ATTEMPTS  # the operator's default `calibration.maxAttempts`
 QUICK_LOADS = (0.5, 1.0)
 # The engine's own view of the replay: preemptions, and its inter-token gaps and steps, which
 # tell an engine slower than predicted from a client that reads its stream late.
@@ -139,114 +139,9 @@ ENGINE_COUNTERS = (
     "vllm:iteration_tokens_total_count",
     "vllm:iteration_tokens_total_sum",
 )
-ALL_LOCAL = 10**9  # local_prefill_below: every prompt is prefilled on the one engine
 
 
 # ------------------------------------------------------------------ the real engine
-
-
-def cpu_split() -> tuple[int, set[int]]:
-    """(the engine core's CPU, the CPUs for everything else): the last CPU this process may use
-    for the engine, the rest for its API server, this process and the load generator (all of
-    them on one machine with a single CPU). Taken before this process pins itself."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return cpus[0], set(cpus)
-    return cpus[-1], set(cpus[:-1])
-
-
-@contextlib.contextmanager
-def real_engine(
-    log_dir: Path, engine_cpu: int, other_cpus: set[int], timeout_s: float = 360.0
-) -> Iterator[str]:
-    """A real vLLM engine on a free loopback port (its URL), stopped with its process group:
-    its model worker bound to `engine_cpu`, its API server and engine core to `other_cpus`."""
-    if not (VENV / "bin" / "python").exists() or not (MODEL / "config.json").exists():
-        raise SystemExit(
-            f"real vLLM missing ({VENV}, {MODEL}): build it with `bash scripts/vllm_env.sh`"
-        )
-    port = free_port()
-    cmd = [
-        *("taskset", "-c", ",".join(map(str, sorted(other_cpus)))),
-        str(VENV / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", str(MODEL), "--served-model-name", SERVED, "--dtype", "float32"),
-        *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)),
-        *("--max-num-seqs", str(MAX_NUM_SEQS)),
-        *("--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)),
-        "--no-enable-prefix-caching",
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PROMETHEUS_MULTIPROC_DIR", "PYTHONHOME"}
-    }
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND=str(engine_cpu),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        PATH=f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
-    )
-    log_path = log_dir / f"vllm-{port}.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace").splitlines()[-30:]
-                raise SystemExit("vLLM did not come up:\n" + "\n".join(tail))
-            time.sleep(1.0)
-        yield url
-    finally:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=wait)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def _counter(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return promtext.total(promtext.parse(text, [name]), name)
-
-
-def busy_shares(before: dict[str, tuple[int, int]]) -> dict[str, float]:
-    """Per CPU, the share of the time since `before` (`benchutil.proc_stat_ticks`) it was busy
-    (all processes)."""
-    after = benchutil.proc_stat_ticks()
-    return {
-        c: round((after[c][0] - b[0]) / max(1, after[c][1] - b[1]), 3)
-        for c, b in before.items()
-        if c != "cpu"
-    }
-
-
-def _warm_up(url: str) -> None:
-    """The first requests to a fresh API server pay its lazy initialisation."""
-    body = json.dumps({"model": SERVED, "prompt": [5] * 300, "max_tokens": 8}).encode()
-    for _ in range(3):
-        req = urllib.request.Request(
-            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
 
 
 # ------------------------------------------------------------------ trace and prediction
@@ -262,150 +157,17 @@ def fidelity_trace(seed: int) -> list[TraceRequest]:
     return workload.with_arrivals(picked, workload.gamma_arrivals(1.0, BURST_CV, 2000, rng))
 
 
-def one_engine_run(
-    profile: CalibrationProfile, trace: Sequence[TraceRequest], slo: SLOClass, seed: int
-) -> RunSpec:
-    """The simulator's run of one engine doing prefill and decode: a decode instance timed by
-    `profile` that prefills every prompt itself (the prefill instance a pool needs is never
-    used)."""
-    return RunSpec(
-        experiment="fidelity",
-        trace_name="fidelity",
-        trace=tuple(trace),
-        instances=(
-            InstanceSpec("unused-prefill", "prefill", profile, profile),
-            InstanceSpec("engine", "decode", profile, profile),
-        ),
-        slo_classes=(slo,),
-        policy="round_robin",
-        seed=seed,
-        jitter=JITTER,
-        options=PolicyOptions(local_prefill_below=ALL_LOCAL),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestPath:
-    """What the probe measured of the request's way through the API server, outside the engine
-    (`http_overhead` of its report: requests the server rejects unprocessed): a client's TTFT
-    is the engine's plus this. The simulator models the engine only."""
-
-    base_s: float
-    per_prompt_token_s: float
-
-    @classmethod
-    def recorded(cls, record: dict[str, Any]) -> RequestPath:
-        """From its record in this bench's file (`_request_path`)."""
-        return cls(record["base_s"], record["per_prompt_token_s"])
-
-    def seconds(self, prompt_tokens: int) -> float:
-        return self.base_s + self.per_prompt_token_s * prompt_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """A stretch of one load's trace that the engine serves on its own (idle before it, as
-    after a probe) and the calibration it is predicted from."""
-
-    trace: tuple[TraceRequest, ...]  # arrivals from 0
-    first: int  # the load's index of its first request
-    profile: CalibrationProfile
-    path: RequestPath
-
-
-class Prediction(NamedTuple):
-    """What `predicted` returns."""
-
-    figures: dict[str, dict[str, Any]]  # "engine", "with_request_path"
-    shared_tpot: float  # the median TPOT of the load's first `shared` requests (`compare`)
-    tpot: dict[int, float]  # per request (the load's index): its TPOT, mean over seeds
-
-
-def predicted(parts: Sequence[Part], slo: SLOClass, shared: int) -> Prediction:
-    """The simulator's prediction of a load served as `parts`, the mean over SIM_SEEDS jitter
-    seeds (and the goodput's spread), as the engine model gives it ("engine") and with every
-    request's TTFT carrying the request path, as a client sees it ("with_request_path"); one set
-    of runs for both."""
-    runs = []
-    for seed in range(SIM_SEEDS):
-        # (load index, engine TTFT, path, TPOT, output tokens), None TTFT: never finished
-        done: list[tuple[int, float | None, float, float, int]] = []
-        for part in parts:
-            outcome = simulate(one_engine_run(part.profile, part.trace, slo, seed))
-            done += [
-                (
-                    part.first + r.index,
-                    r.ttft if r.finish >= 0 else None,
-                    part.path.seconds(r.prompt_tokens),
-                    r.tpot,
-                    r.output_tokens,
-                )
-                for r in outcome.requests
-            ]
-        runs.append(done)
-    shared_runs = [
-        [tpot for i, t, _, tpot, _ in run if i < shared and t is not None and tpot > 0]
-        for run in runs
-    ]
-    shared_tpot = (
-        statistics.fmean(statistics.median(v) for v in shared_runs)
-        if all(shared_runs)
-        else math.nan
-    )
-    per_request: dict[int, list[float]] = {}
-    for run in runs:
-        for i, t, _, tpot, _ in run:
-            if t is not None and tpot > 0:
-                per_request.setdefault(i, []).append(tpot)
-    return Prediction(
-        {
-            "engine": _prediction(runs, slo, with_path=False),
-            "with_request_path": _prediction(runs, slo, with_path=True),
-        },
-        shared_tpot,
-        {i: statistics.fmean(v) for i, v in per_request.items()},
-    )
-
-
-def _prediction(
-    runs: Sequence[Sequence[tuple[int, float | None, float, float, int]]],
-    slo: SLOClass,
-    *,
-    with_path: bool,
-) -> dict[str, Any]:
-    out_runs = []
-    for run in runs:
-        done = [
-            (t + (path if with_path else 0.0), tpot, n)
-            for _, t, path, tpot, n in run
-            if t is not None
-        ]
-        ttft = [t for t, _, _ in done]
-        met = sum(slo.met(t, tpot) for t, tpot, _ in done)
-        out_runs.append(
-            {
-                "goodput": met / len(run),
-                "late": sum(t > slo.ttft_s for t in ttft),
-                "slow": sum(tpot > slo.tpot_s for _, tpot, _ in done),
-                **latency_percentiles(ttft, [tpot for _, tpot, n in done if n > 1], digits=None),
-            }
-        )
-    out: dict[str, Any] = {k: statistics.fmean(r[k] for r in out_runs) for k in out_runs[0]}
-    out["goodput_sd"] = statistics.pstdev(r["goodput"] for r in out_runs)
-    return out
-
-
 def measured(
     url: str, trace: Sequence[TraceRequest], slo: SLOClass, seed: int, first: int = 0
 ) -> dict[str, Any]:
     """Replay `trace` against the engine: loadgen's figures, the engine's own counters and how
     busy each CPU was; `first`: the load's index of the trace's first request (a segment's)."""
-    bar = tqdm(total=len(trace), desc="replay", unit="req", leave=False)
+    bar = progress.bar(total=len(trace), desc="replay", unit="req", leave=False)
 
     def tick(_: object) -> None:
         bar.update(1)
 
-    before = {name: _counter(url, name) for name in ENGINE_COUNTERS}
+    before = {name: counter(url, name) for name in ENGINE_COUNTERS}
     ticks = benchutil.proc_stat_ticks()
     report: LoadReport = asyncio.run(
         replay(
@@ -429,7 +191,7 @@ def measured(
         "late": sum(r.ttft_s > slo.ttft_s for r in ok),
         "slow": sum(r.tpot_s > slo.tpot_s for r in ok),
         "errors": summary["errors"],
-        "engine": {name: _counter(url, name) - v for name, v in before.items()},
+        "engine": {name: counter(url, name) - v for name, v in before.items()},
         "cpu_busy": busy_shares(ticks),
         **{k: summary[k] for k in keys},
         # per request (the load's index, TTFT, TPOT, SLO met, answered), for a look at where
@@ -481,41 +243,6 @@ def errors(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
 # ------------------------------------------------------------------ the run
 
 
-def probe_engine(url: str, budget: float, seed: int) -> tuple[ProbeResult, list[dict[str, Any]]]:
-    """Probe the engine as the operator does (a poor fit probed again, each attempt with its own
-    seed): (the last `ProbeResult`, every attempt's verdict, errors and decode samples)."""
-    attempts = []
-    for attempt in range(PROBE_ATTEMPTS):
-        probe = run_probe(
-            ProbeConfig(
-                endpoint=url,
-                role="decode",
-                name="real-vllm-cpu",
-                budget_s=budget,
-                max_num_seqs=MAX_NUM_SEQS,
-                max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                gpu="cpu",
-                seed=seed + attempt,
-            )
-        )
-        fit = probe.profile
-        attempts.append(
-            {
-                "quality": fit.quality,
-                "ttft_mape": fit.ttft_mape,
-                "tpot_mape": fit.tpot_mape,
-                "decode": profile_to_dict(fit)["decode"],
-                "samples": probe.report["samples"],
-                # (batch, context tokens, inter-token seconds): what the decode fit saw.
-                "decode_measurements": probe.report["measurements"]["decode"],
-            }
-        )
-        if fit.quality != "poor":
-            break
-        print(f"[fidelity] fit poor ({attempts[-1]['tpot_mape']}): probing again", file=sys.stderr)
-    return probe, attempts
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Start the engine, probe it, replay the trace at every load: the measured half."""
     loads = (
@@ -533,7 +260,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         real_engine(Path(tmp), engine_cpu, others) as url,
     ):
         print(f"[fidelity] engine up at {url}; probing for {budget:.0f} s", file=sys.stderr)
-        _warm_up(url)
+        warm_up(url)
         probe, attempts = probe_engine(url, budget, args.seed)
         profile = probe.profile
         search = rate_search(profile, args.seed, duration)
@@ -570,7 +297,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "requests": len(part),
                         "probe_before": {
                             "profile": profile_to_dict(fresh.profile),
-                            "request_path": _request_path(fresh.report),
+                            "request_path": request_path(fresh.report),
                             "attempts": fresh_attempts,
                         },
                         "measured": measured(url, part, slo, args.seed, first),
@@ -595,7 +322,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "probe_attempts": attempts,
             "rate85_rps": rate85,
             "profile": profile_to_dict(profile),
-            "request_path": _request_path(probe.report),
+            "request_path": request_path(probe.report),
         },
         "loads": rows,
     }
@@ -612,16 +339,6 @@ def segment(
     return first, [
         dataclasses.replace(trace[i], arrival_s=trace[i].arrival_s - start) for i in picked
     ]
-
-
-def _request_path(report: dict[str, Any]) -> dict[str, Any]:
-    """The probe's fit of the request path outside the engine, as `compare` reads it."""
-    overhead = report["http_overhead"]
-    return {
-        "from": overhead["from"],
-        "base_s": overhead["seconds"],
-        "per_prompt_token_s": overhead["seconds_per_prompt_token"],
-    }
 
 
 def rate_search(profile: CalibrationProfile, seed: int, duration: float) -> SearchProblem:
@@ -701,62 +418,6 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
     if company:
         doc["tpot_by_company"] = by_company(company)
     return doc
-
-
-#: Buckets of `tpot_in_company`: how many other requests decoded while a request did.
-COMPANY = (
-    ("0", 0, 0),
-    ("1", 1, 1),
-    ("2-3", 2, 3),
-    ("4-7", 4, 7),
-    ("8-15", 8, 15),
-    ("16+", 16, 10**9),
-)
-
-
-def tpot_in_company(
-    trace: Sequence[TraceRequest],
-    first: int,
-    records: Sequence[Sequence[Any]],
-    predicted_tpot: dict[int, float],
-) -> list[tuple[int, float]]:
-    """For each request of one stretch (`trace`, arrivals from its start; `first`, the load's
-    index of its first request) that decoded at least 8 tokens: how many others decoded at some
-    time while it did (as measured: from its first token to its last), and its measured TPOT
-    over the predicted. Where the model prices a lone request right and requests in company
-    wrong, what it misses is in how a changing batch costs, not in the step's constants."""
-    by_index = {int(r[0]): r for r in records}
-    spans: dict[int, tuple[float, float]] = {}
-    for k, req in enumerate(trace):
-        rec = by_index.get(first + k)
-        # (index, TTFT, TPOT, met, answered); the runs before segments recorded the first three
-        if rec is not None and (len(rec) < 5 or rec[4]) and rec[2] > 0:
-            start = req.arrival_s + rec[1]
-            spans[k] = (start, start + rec[2] * max(0, req.output_tokens - 1))
-    out = []
-    for k, (start, end) in spans.items():
-        tpot = predicted_tpot.get(first + k)
-        if trace[k].output_tokens < 8 or not tpot:
-            continue
-        others = sum(1 for o, (s, e) in spans.items() if o != k and s < end and e > start)
-        out.append((others, by_index[first + k][2] / tpot))
-    return out
-
-
-def by_company(pairs: Sequence[tuple[int, float]]) -> list[dict[str, Any]]:
-    """Median measured / predicted TPOT per bucket of `COMPANY`."""
-    out = []
-    for name, lo, hi in COMPANY:
-        ratios = [r for n, r in pairs if lo <= n <= hi]
-        if ratios:
-            out.append(
-                {
-                    "others_decoding": name,
-                    "requests": len(ratios),
-                    "tpot_measured_over_predicted_p50": round(statistics.median(ratios), 3),
-                }
-            )
-    return out
 
 
 def _recorded(path: Path) -> dict[str, Any]:

@@ -35,11 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 import benchutil
+from disaggpool import progress
 from disaggpool.core.stats import percentile
-from disaggpool.demo import free_port, processes
+from disaggpool.localpool.processes import free_port, processes
 from peers import MODEL, interleaved_latencies, on_client_cpu, start_fast_pair, start_pair_sidecar
 from sidecar_bench import grpc_load
 
@@ -112,7 +111,7 @@ def measure_grpc(rounds: int, seconds: float) -> dict[str, Any]:
                 tmp, urls, procs, (sys.executable, "-c", LAUNCHER, v), f"grpc-{i}", grpc_port=port
             )
             targets[v] = f"127.0.0.1:{port}"
-        for _ in tqdm(range(rounds), desc="gRPC rounds", unit="round"):
+        for _ in progress.bar(range(rounds), desc="gRPC rounds", unit="round"):
             for v, target in targets.items():
                 for mode, rate in (("closed", None), ("open", 1000.0)):
                     run = on_client_cpu(lambda t=target, r=rate: grpc_load(t, seconds, r))

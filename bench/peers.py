@@ -2,7 +2,7 @@
 
 Goodput
 -------
-A fixed pool of the demo's boards (`disaggpool.demo`, `DECODE_SPEEDS`): 1 prefill + 3 decode
+A fixed pool of the demo's boards (`disaggpool.demo.design`, `DECODE_SPEEDS`): 1 prefill + 3 decode
 emulator processes of Llama-3-8B on an A40, the decode boards at 1.0x, 0.55x and 1.25x speed,
 timed by hidden true profiles, where the routers differ in where each request decodes. Or, with
 `--pool placed`, the demo's own pool: its four boards placed by its split search (the placement
@@ -60,10 +60,9 @@ from typing import Any, TypeVar
 
 import aiohttp
 import yaml
-from tqdm import tqdm
 
 import benchutil
-from disaggpool import promtext
+from disaggpool import progress, promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.stats import (
@@ -71,23 +70,20 @@ from disaggpool.core.stats import (
     bootstrap_share_interval,
     percentile,
 )
-from disaggpool.demo import (
+from disaggpool.demo.design import (
     DECODE_SPEEDS,
     DemoConfig,
     demo_trace,
-    free_port,
     operating_rate,
     placed_pool,
-    processes,
-    serve_policy,
-    start_calibrated_pool,
     true_profiles,
-    wait_http,
-    wait_idle,
 )
+from disaggpool.demo.run import serve_policy, start_calibrated_pool
 from disaggpool.formats.profiles import save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.localpool.pods import wait_idle
+from disaggpool.localpool.processes import free_port, processes, wait_http
 from disaggpool.sim.placement import describe
 from prefix_emulated import VLLM_ROUTER, start_vllm_router, vllm_router
 
@@ -154,8 +150,6 @@ def measure_goodput(
     else:  # before any pod starts: the search has the machine's cores
         placed = placed_pool(cfg, base, slo)
         pods, rate, trace, chosen = placed.pods, placed.rate, placed.trace, placed.chosen
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    exe = [sys.executable, "-m", "disaggpool"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="dp-peers-") as tmp_name, processes() as procs:
         tmp = Path(tmp_name)
@@ -171,7 +165,7 @@ def measure_goodput(
         for who, policy in runs:
             before = {n: _successes(u) for n, u in urls.items()}
             if who == "disaggpool":
-                report, _ = serve_policy(exe, env, tmp, urls, pods, policy, trace, slo, procs)
+                report, _ = serve_policy(tmp, urls, pods, policy, trace, slo, procs)
             else:
                 assert router is not None
                 report = _through_vllm_router(router, tmp, members, policy, trace, slo)
@@ -208,7 +202,7 @@ def _through_vllm_router(
 ) -> LoadReport:
     with processes() as procs:
         url = start_vllm_router(procs, tmp, router, members, policy)
-        bar = tqdm(total=len(trace), desc=f"vllm-router {policy:>13}", unit="req")
+        bar = progress.bar(total=len(trace), desc=f"vllm-router {policy:>13}", unit="req")
         report = asyncio.run(replay(url, trace, [slo], on_done=lambda _: bar.update(1)))
         bar.close()
     return report
@@ -330,7 +324,7 @@ def interleaved_latencies(
             for who in times:
                 for i in range(20):
                     await one(session, who, i)
-            for block in tqdm(range(10), desc=desc, unit="block"):
+            for block in progress.bar(range(10), desc=desc, unit="block"):
                 for who in times:
                     for i in range(n // 10):
                         times[who].append(await one(session, who, block * n + i))
@@ -405,7 +399,7 @@ def _rate_ladder(
         out: dict[int, dict[str, dict[str, float]]] = {}
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            for rate in tqdm(RATES, desc="rate ladder", unit="rate"):
+            for rate in progress.bar(RATES, desc="rate ladder", unit="rate"):
                 direct_run = await at_rate(session, "direct", rate)
                 direct = [t for t in direct_run if t is not None]
                 base = percentile(direct, 99)

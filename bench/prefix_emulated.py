@@ -49,19 +49,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tqdm import tqdm
 
 import benchutil
-from disaggpool import promtext
+from disaggpool import progress, promtext
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.core.stats import bootstrap_share_interval
-from disaggpool.demo import free_port, processes, wait_http
 from disaggpool.formats.embedded import embedded_trace
 from disaggpool.formats.profiles import save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.localpool.processes import free_port, processes, wait_http
 from disaggpool.sim import workload
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions
 from disaggpool.sim.operating_point import SearchProblem, operating_rates
@@ -246,7 +245,7 @@ def run_config(
         else:
             url = start_vllm_router(procs, tmp, router, members, policy)
             name = f"vllm-router {label}"
-        bar = tqdm(total=len(trace), desc=f"{name:>24}", unit="req")
+        bar = progress.bar(total=len(trace), desc=f"{name:>24}", unit="req")
         report = asyncio.run(
             replay(url, trace, [SLO], model=BASE.model, seed=seed, on_done=lambda _: bar.update(1))
         )

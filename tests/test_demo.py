@@ -22,26 +22,24 @@ from pathlib import Path
 
 import pytest
 
-from disaggpool.demo import (
+from disaggpool.demo.cli import config_from_args, register
+from disaggpool.demo.design import (
     MOONCAKE_DECODE_SPEEDS,
     MOONCAKE_POLICIES,
     MOONCAKE_PREFILL_SPEEDS,
     TARGET_GOODPUT,
     DemoConfig,
-    config_from_args,
     demo_trace,
     operating_rate,
     placed_pool,
-    register,
     reusable_share,
-    run_demo,
     simulated_run,
-    stderr_messages,
     true_profiles,
 )
-from disaggpool.demo import (
+from disaggpool.demo.design import (
     POLICIES as DEMO_POLICIES,
 )
+from disaggpool.demo.run import run_demo
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.runner import execute
 
@@ -156,19 +154,6 @@ def test_the_demo_runs_the_placement_that_carries_most_at_round_robins_point() -
     # A fixed pool is not searched.
     fixed = DemoConfig(duration_s=20.0, prefill_speeds=(1.0,), decode_speeds=(1.0, 0.55, 1.25))
     assert list(placed_pool(fixed, base, slo).searched) == ["1P (1x) + 3D (1x, 0.55x, 1.25x)"]
-
-
-def test_messages_drop_progress_bars() -> None:
-    stderr = (
-        "calibrate: decode:  25%|██▌       | 2/8 [00:01<00:04,  1.46it/s]   \x1b[A\x1b[A"
-        "disaggpool: probe failed: too few measurements\n\n"
-        "calibrate: prefill:   2%|▏         | 8/360 [00:08<06:27,  1.10s/it]\r"
-        "decode-0: quality good\n"
-    )
-    assert stderr_messages(stderr) == [
-        "disaggpool: probe failed: too few measurements",
-        "decode-0: quality good",
-    ]
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""The layering contracts cover the whole package, and the README's layout table names real paths.
+"""The layering contracts cover the whole package, and docs/layout.md names real paths.
 
 `lint-imports` (run by scripts/test.sh) checks only the modules a contract names: a new top-level
 module missing from the layers contract would escape every rule. These tests fail when that
-happens, and when the README's layout table names a path that does not exist.
+happens, and when the layout table names a path that does not exist or misses a module.
 """
 
 from __future__ import annotations
@@ -36,16 +36,13 @@ def test_every_top_level_module_has_a_layer() -> None:
 
 
 def _layout_rows() -> list[tuple[list[Path], str]]:
-    """(paths of the first cell, the job cell) per row of the README's layout table.
+    """(paths of the first cell, the job cell) per row of docs/layout.md's table.
 
     A bare file name after a full path in the same cell is that path's sibling
     (`src/disaggpool/labels.py`, `promtext.py`).
     """
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Layout")
-    table = text[start : text.index("\n## ", start + 1)]
     rows = []
-    for line in table.splitlines():
+    for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
         if not line.startswith("| `"):
             continue
         _, first, job, _ = line.split("|", 3)
@@ -59,15 +56,15 @@ def _layout_rows() -> list[tuple[list[Path], str]]:
     return rows
 
 
-def test_readme_layout_table_names_existing_paths() -> None:
+def test_layout_table_names_existing_paths() -> None:
     rows = _layout_rows()
     assert len(rows) >= 10
     for paths, _ in rows:
         for path in paths:
-            assert path.exists(), f"README layout table names {path.relative_to(ROOT)}: missing"
+            assert path.exists(), f"docs/layout.md names {path.relative_to(ROOT)}: missing"
 
 
-def test_readme_layout_table_finds_every_module() -> None:
+def test_layout_table_finds_every_module() -> None:
     """Every module of the package is named in the layout table: a package's modules in its row,
     a top-level module in a row of its own."""
     rows = _layout_rows()
@@ -76,10 +73,10 @@ def test_readme_layout_table_finds_every_module() -> None:
         if module.name in ("__init__.py", "__main__.py") or "router" in module.parts:
             continue
         if module.parent == PACKAGE:
-            assert module in named, f"README layout table lacks {module.relative_to(ROOT)}"
+            assert module in named, f"docs/layout.md lacks {module.relative_to(ROOT)}"
             continue
         row = [job for paths, job in rows if module.parent in paths]
-        assert row, f"README layout table has no row for {module.parent.relative_to(ROOT)}/"
+        assert row, f"docs/layout.md has no row for {module.parent.relative_to(ROOT)}/"
         assert f"`{module.stem}`" in row[0], (
-            f"README layout row of {module.parent.relative_to(ROOT)}/ does not name `{module.stem}`"
+            f"docs/layout.md: the row of {module.parent.relative_to(ROOT)}/ lacks `{module.stem}`"
         )

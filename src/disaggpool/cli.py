@@ -44,16 +44,16 @@ __all__ = ["main"]
 
 
 def _progress(prefix: str) -> Any:
-    """A progress callback drawing one tqdm bar per stage on stderr."""
-    from tqdm import tqdm
+    """A progress callback drawing one bar per stage on stderr (on a terminal only)."""
+    from disaggpool import progress
 
     bars: dict[str, Any] = {}
 
     def update(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
         if bar is None:
-            bar = bars[stage] = tqdm(
-                total=total, desc=f"{prefix}: {stage}", file=sys.stderr, dynamic_ncols=True
+            bar = bars[stage] = progress.bar(
+                total=total, desc=f"{prefix}: {stage}", dynamic_ncols=True
             )
         bar.total = total
         bar.n = done
@@ -90,18 +90,18 @@ def _report_experiment(
 def cmd_sim_paper(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from disaggpool.sim import paper, plots, report
+    from disaggpool.studies import paper, paper_plots, paper_report
 
     cfg = paper.PaperConfig.quick() if args.quick else paper.PaperConfig()
     if args.setup != "both":
         cfg = dataclasses.replace(cfg, setups=(args.setup,))
     start = time.perf_counter()
     doc = paper.run_paper(cfg, workers=args.workers, progress=_progress("sim paper"))
-    return _report_experiment(doc, start, report.tables, plots.write_plots, args)
+    return _report_experiment(doc, start, paper_report.tables, paper_plots.write_plots, args)
 
 
 def cmd_sim_prefix(args: argparse.Namespace) -> int:
-    from disaggpool.sim import prefix_report, prefix_study
+    from disaggpool.studies import prefix_report, prefix_study
 
     cfg = prefix_study.PrefixConfig.quick() if args.quick else prefix_study.PrefixConfig()
     start = time.perf_counter()
@@ -110,7 +110,7 @@ def cmd_sim_prefix(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_autoscale(args: argparse.Namespace) -> int:
-    from disaggpool.sim import autoscale_report, autoscale_study
+    from disaggpool.studies import autoscale_report, autoscale_study
 
     start = time.perf_counter()
     progress = _progress("sim autoscale")
@@ -132,7 +132,7 @@ def cmd_sim_autoscale(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_run(args: argparse.Namespace) -> int:
-    from disaggpool.sim import report
+    from disaggpool.sim import table
     from disaggpool.sim.runner import run_all, staged
     from disaggpool.sim.scenario import load_scenario
 
@@ -142,7 +142,7 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
     rows = run_all(specs, workers=args.workers, progress=tick)
     doc = {"experiments": {"run": rows}}
     print(
-        report.render(
+        table.render(
             f"run: {scenario.name}",
             [
                 {
@@ -219,6 +219,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError("--endpoint", "endpoint", "required (or DISAGGPOOL_ENDPOINT)")
     if not args.out and not args.configmap:
         raise InputError("--out", "out", "give --out FILE, --out - (stdout) or --configmap NS/NAME")
+    if args.role not in ("prefill", "decode"):  # DISAGGPOOL_ROLE skips argparse's choices
+        raise InputError(
+            "--role", "role", f"prefill or decode (or DISAGGPOOL_ROLE), got {args.role}"
+        )
     owner = sinks.pool_owner(args.configmap_owner)  # None without the flag
     cfg = ProbeConfig(
         endpoint=args.endpoint,
@@ -234,7 +238,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         api_key=os.environ.get(API_KEY_ENV, ""),
     )
     try:
-        result = run_probe(cfg, progress=_progress("calibrate"))
+        started = getattr(args, "started", None)  # set by `main`
+        result = run_probe(cfg, progress=_progress("calibrate"), started=started)
     except ProbeError as exc:
         print(f"disaggpool: probe failed: {exc}", file=sys.stderr)
         return EXIT_PROBE_FAILED
@@ -369,7 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("peer"),
         help="a prefill pod, to measure the KV transfer into this one",
     )
-    c.add_argument("--role", choices=("prefill", "decode"), default=_env("role", "decode"))
+    c.add_argument(
+        "--role",
+        choices=("prefill", "decode"),
+        default=_env("role"),
+        help="the pod's role in its pool (required): nothing on a vLLM pod tells it, and it "
+        "decides the verdict of a profile whose KV transfer was not measured",
+    )
     c.add_argument("--out", default=_env("out"), help="profile file (.yaml/.json) or - for stdout")
     c.add_argument(
         "--configmap", default=_env("configmap"), metavar="NS/NAME", help="also write a ConfigMap"
@@ -379,7 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--name", default=_env("name"), help="profile name (default: from the endpoint)")
     c.add_argument("--gpu", default=_env("gpu", ""), help="GPU type recorded in the profile")
-    c.add_argument("--budget-seconds", type=float, default=float(_env("budget_seconds", 60)))
+    c.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=float(_env("budget_seconds", 60)),
+        help="time the probe spends measuring (default 60). A stage short of samples runs on, "
+        "but the probe, counted from the command's start and its fits included, ends within "
+        "1.25x this, cutting a request still in flight (exit 4 if then too few samples); "
+        "Python's own start and exit and writing the profile add a few tenths of a second",
+    )
     c.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)))
     c.add_argument(
         "--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 2048))
@@ -430,12 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--verbose", action="store_true", help="debug logging")
     o.set_defaults(func=cmd_operator)
 
-    from disaggpool import demo, loadgen
+    from disaggpool import loadgen
+    from disaggpool.demo import cli as demo_cli
     from disaggpool.sidecar import cli as sidecar_cli
 
     sidecar_cli.register(sub)
     loadgen.register(sub)
-    demo.register(sub)
+    demo_cli.register(sub)
 
     from disaggpool.emulator import cli as emulator_cli
 
@@ -466,8 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The command's start: `calibrate`'s budget counts from it, so that the cap holds for the
+    # whole command as a user times it (building the parser imports every subcommand's
+    # modules, a second or more on a busy machine).
+    started = time.perf_counter()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, argparse.Namespace(started=started))
     if getattr(args, "workers", None) is not None and args.workers < 1:
         parser.error("--workers: must be at least 1")  # exits 2
     if getattr(args, "budget_seconds", 1.0) <= 0:

@@ -11,7 +11,7 @@ token and every prefill a client sees. On Linux the default loop fires late thre
 * and never by less than the thread's minimum slack, 50 us by default.
 
 A probe fitting the profile then finds fixed costs too large by all of that, which for an H100
-profile's 1.5 ms prefill overhead was a 70% error. `PreciseEpollSelector` keeps epoll for the
+profile's 1.5 ms prefill overhead is a 70% error. `PreciseEpollSelector` keeps epoll for the
 descriptors (it scales past select's 1024) and changes only how it sleeps: in `select()` on the
 epoll descriptor itself (readable whenever one of its descriptors has an event), whose timeout is
 in microseconds; first for all but a margin larger than the proportional slack, then for the

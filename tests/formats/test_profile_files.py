@@ -196,6 +196,7 @@ def test_yaml_exponent_without_dot_or_sign_is_a_number(
 # --- every profile the repo ships passes the physics ------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 
 
 def _profiles_in(doc: object, where: str) -> list[tuple[str, dict[str, object]]]:
@@ -213,15 +214,17 @@ def _profiles_in(doc: object, where: str) -> list[tuple[str, dict[str, object]]]
 
 
 def _repo_profiles() -> list[tuple[str, dict[str, object]]]:
-    """Probe results recorded by the benchmarks, golden files, and every YAML block of the docs
-    that is a profile (PROFILES.md's example among them)."""
+    """Probe results recorded by the benchmarks (and earlier fits on real vLLM kept beside this
+    file), golden files, and every YAML block of the docs that is a profile (PROFILES.md's example
+    among them)."""
     found = []
-    for path in sorted([*REPO.glob("bench/*.json"), *REPO.glob("docs/*.json")]):
+    recorded = [*REPO.glob("bench/*.json"), *REPO.glob("docs/**/*.json"), *HERE.glob("*.json")]
+    for path in sorted(recorded):
         found += _profiles_in(json.loads(path.read_text(encoding="utf-8")), path.name)
     for path in sorted([*REPO.glob("tests/operator/golden/*.yaml"), *REPO.glob("examples/*.yaml")]):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
             found += _profiles_in(doc, path.name)
-    docs = [*REPO.glob("*.md"), *REPO.glob("docs/*.md"), *REPO.glob("src/disaggpool/**/*.md")]
+    docs = [*REPO.glob("*.md"), *REPO.glob("docs/**/*.md"), *REPO.glob("src/disaggpool/**/*.md")]
     for path in sorted(docs):
         for block in path.read_text(encoding="utf-8").split("```yaml")[1:]:
             try:

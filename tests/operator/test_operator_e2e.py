@@ -237,7 +237,7 @@ async def test_operator_reconciles_calibrates_and_cleans_up(
         conds = {c["type"]: c["status"] for c in st["conditions"]}
         assert conds == {"Ready": "True", "Calibrated": "True", "Degraded": "False"}
         table = cluster.kubectl("get", "dpool", "-n", ns)
-        (tmp_path / "kubectl-get-dpool.txt").write_text(table)  # quoted in README.md
+        (tmp_path / "kubectl-get-dpool.txt").write_text(table)  # quoted in docs/install.md
         print(table)
         assert table.split()[:7] == [
             "NAME",

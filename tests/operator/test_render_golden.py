@@ -22,7 +22,7 @@ from disaggpool.formats.profiles import dump_profile
 from disaggpool.kubeclient.paths import matches
 from disaggpool.labels import PROBE_JOB_LABELS, of_pool
 from disaggpool.operator.calibration_plan import plan_calibration, render_calibration_job
-from disaggpool.operator.names import PoolRef, owner_reference
+from disaggpool.operator.names import PoolRef
 from disaggpool.operator.observed import (
     JobView,
     PodView,
@@ -307,32 +307,6 @@ def test_render_job_for_prefill_has_no_peer() -> None:
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--peer" not in args and args[args.index("--gpu") + 1] == "H100"
     assert len(job["metadata"]["name"]) <= 63
-
-
-def test_configmap_labels_flag_parses_and_names_bad_items() -> None:
-    from disaggpool import cli
-    from disaggpool.errors import InputError
-
-    assert cli._labels("a=1,b/c=x") == {"a": "1", "b/c": "x"}
-    assert cli._labels(None) is None
-    with pytest.raises(InputError, match="nolabel"):
-        cli._labels("a=1,nolabel")
-    args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b"])
-    assert args.namespace == ["a", "b"] and args.func is cli.cmd_operator
-
-
-def test_configmap_owner_flag_parses_and_names_bad_values() -> None:
-    from disaggpool.calibration import sinks
-    from disaggpool.errors import InputError
-
-    owner = sinks.pool_owner("small/1234-abcd")
-    # The same reference the operator sets (`names.owner_reference`): the probe's write changes
-    # nothing the operator created, and needs no right to set blockOwnerDeletion anew.
-    assert owner == owner_reference(PoolRef("small", "serving", "1234-abcd"))
-    assert sinks.pool_owner(None) is None and sinks.pool_owner("") is None
-    for bad in ("small", "small/", "/uid", "a/b/c"):
-        with pytest.raises(InputError, match="POOL/UID"):
-            sinks.pool_owner(bad)
 
 
 @pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])

@@ -102,8 +102,12 @@ def test_trace_example_matches_csv() -> None:
     assert [i.name for i in s.instances] == ["prefill-0", "fast", "slow"]
 
 
-def test_examples_are_deterministic() -> None:
-    assert load_scenario(EXAMPLES / "scenario.yaml") == load_scenario(EXAMPLES / "scenario.yaml")
+def test_examples_are_deterministic(tmp_path: Path) -> None:
+    first = load_scenario(EXAMPLES / "scenario.yaml")
+    assert load_scenario(EXAMPLES / "scenario.yaml") == first
+    # Another seed generates another trace: the example's trace is drawn, not constant.
+    doc = yaml.safe_load((EXAMPLES / "scenario.yaml").read_text(encoding="utf-8"))
+    assert load_scenario(_write(tmp_path, {**doc, "seeds": [2]})).trace != first.trace
 
 
 # --- field semantics ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 The package embeds the two Azure LLM inference traces 2023 (conversation and code services) and
 the Mooncake conversation trace with its prefix blocks (all gzip-compressed; provenance and
 licences in ``src/disaggpool/data/README.md``) so that the experiments and the demo run on a
-fresh machine with nothing else present. This module is their only reader: `sim.paper_traces`
+fresh machine with nothing else present. This module is their only reader: `studies.paper_traces`
 (the paper's mixed traces), scenarios (`trace.embedded`), `demo` and the tests take them from
 here, by the names of `EMBEDDED_TRACES`. Parsing is `formats.traces.parse_trace` or
 `formats.mooncake.parse_mooncake`, the same parsers and checks as for any trace file.

@@ -194,7 +194,8 @@ def _hashes(value: Any, where: str) -> tuple[Hashable, ...]:
 def _decode_event(raw: Any, i: int) -> Event | None:
     where = f"events[{i}]"
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        # Before vLLM PR #42892 (mid-2026) events were tagged arrays, in field order.
+        # vLLM releases before PR #42892 (mid-2026) send each event as an array tagged by its
+        # type, fields in order: read as the map it stands for.
         names = {
             "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
             "BlockRemoved": ("block_hashes",),

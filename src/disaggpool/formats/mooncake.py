@@ -12,11 +12,11 @@ prefix-aware router work on. A prompt of n tokens therefore has exactly ceil(n /
 other count is an error, as is a repeated id inside one prompt (a block's id names its whole
 prefix, so it cannot appear twice in one prompt).
 
-Requests come back as `formats.traces.TraceRequest` with `blocks` (the ids) and `block_tokens`
-(512 unless the caller says otherwise), re-based so that the first arrival is 0 s and sorted by
-arrival (stable). One optional field is ours: ``slo_class`` (the Mooncake files have none; then
-`default_class` applies). One block size holds for a whole file. `write_mooncake` writes the same
-format (``.jsonl`` or ``.jsonl.gz``), so generated workloads can be saved and replayed.
+Requests come back as `TraceRequest` (`formats.trace_request`) with `blocks` (the ids) and
+`block_tokens` (512 unless the caller says otherwise), re-based so that the first arrival is 0 s and
+sorted by arrival (stable). One optional field is ours: ``slo_class`` (the Mooncake files have none;
+then `default_class` applies). One block size holds for a whole file. `write_mooncake` writes the
+same format (``.jsonl`` or ``.jsonl.gz``), so generated workloads can be saved and replayed.
 
 Every problem is raised as `disaggpool.errors.InputError` naming the file, the line and the field
 (for example ``trace.jsonl: line 4: hash_ids: 3 ids for input_length 2048, expected 4``).
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from disaggpool.errors import InputError
-from disaggpool.formats.traces import TraceRequest
+from disaggpool.formats.trace_request import TraceRequest
 
 __all__ = ["MOONCAKE_BLOCK_TOKENS", "parse_mooncake", "read_mooncake", "write_mooncake"]
 

@@ -1,7 +1,8 @@
 """Request-trace files: read and write the arrival/length traces that drive the simulator.
 
 A trace is a list of `TraceRequest` (arrival time, prompt length, output length, optional SLO
-class), sorted by arrival. `read_trace` accepts two CSV dialects, detected from the header:
+class; defined in `formats.trace_request`, which the Mooncake format shares, and imported from
+here), sorted by arrival. `read_trace` accepts two CSV dialects, detected from the header:
 
 * our own format, ``arrival_s,prompt_tokens,output_tokens[,slo_class]``, which `write_trace`
   produces (arrival in seconds, non-decreasing);
@@ -20,7 +21,6 @@ and the field (for example ``trace.csv: line 17: prompt_tokens: ...``).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import datetime as dt
 import math
 import re
@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from disaggpool.errors import InputError
+from disaggpool.formats.mooncake import read_mooncake
+from disaggpool.formats.trace_request import TraceRequest
 
 __all__ = [
     "AZURE_HEADER",
@@ -52,21 +54,6 @@ _FILE_FIELD = "<file>"
 _LONG_FRACTION = re.compile(r"(\.\d{6})\d+")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of a trace: arrival time (s from trace start), token counts, SLO class, and,
-    for traces with prefix structure (`formats.mooncake`, `sim.prefix_workload`), the ids of its
-    prompt's blocks of `block_tokens` tokens (the last one may be partial): requests whose leading
-    ids agree share that much prompt prefix."""
-
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    slo_class: str = ""
-    blocks: tuple[int, ...] = ()
-    block_tokens: int = 0
-
-
 _Row = tuple[int, list[str]]
 """A CSV record with the (1-based) line number it ends on."""
 
@@ -81,8 +68,6 @@ def read_trace(path: str | Path, *, default_class: str = "") -> list[TraceReques
     """
     source = str(path)
     if source.endswith((".jsonl", ".jsonl.gz")):
-        from disaggpool.formats.mooncake import read_mooncake  # it builds on this module
-
         return read_mooncake(path, default_class=default_class)
     try:
         # utf-8-sig drops a byte-order mark that spreadsheet exports put before the header.

@@ -4,8 +4,9 @@ Modules, in data-flow order (docs/operator.md has the picture):
 
 * `spec`     -- the typed spec: parse and validate a CR's ``spec`` (pure; errors name the field);
 * `names`    -- object names, common labels, the owner reference and spec hash (pure);
-* `render`   -- the pool's workloads from (pool, spec): vLLM Deployments and Services, the router,
-  RBAC (pure, tested with golden files);
+* `render`   -- the pool's workloads from (pool, spec): vLLM Deployments and Services, the router
+  (pure, tested with golden files);
+* `access`   -- the router's and the probe's RBAC and the pool's NetworkPolicies (pure);
 * `observed` -- pods, profile ConfigMaps and probe Jobs read back, as small views (pure);
 * `calibration_plan` -- which pods need a probe, its Job and ConfigMap, what to prune (pure);
 * `status`   -- the CR's status and conditions (pure);

@@ -6,7 +6,7 @@ and decides per pod: keep its profile, wait for its running probe, start a probe
 `maxAttempts` failures. It also lists the profiles and Jobs of deleted pods to delete.
 `reconcile` executes the plan; `status` reports it.
 
-The probe may patch only its pod's ConfigMap, by name (`render.probe_rules`): it may not create
+The probe may patch only its pod's ConfigMap, by name (`access.probe_rules`): it may not create
 one. So before a pod's first probe the plan creates that ConfigMap empty, owned by the pool and
 without the profile label (`render_profile_placeholder`): neither the router nor the operator
 counts it as a profile until the probe has written one and labelled it. The probe's own write

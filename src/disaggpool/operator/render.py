@@ -1,23 +1,18 @@
 """Pure rendering of a pool's workloads: (pool, spec) -> the Kubernetes objects it consists of.
 
 vLLM Deployments (one per role and variant) and their headless Services, the router (ConfigMap
-with the sidecar's config, Deployment, Service), the ServiceAccounts/Roles of the router and the
-probe, and, with `networkPolicy.enabled`, the pool's NetworkPolicies. No I/O, no clock, no
-randomness: the same inputs give byte-identical output, which is what the golden-file tests in
-tests/operator check and what makes reconciliation idempotent. Every object is `names.stamp`ed:
-owned by the pool (deleting the pool garbage-collects it) and annotated with the hash of its body.
-Called by `reconcile`; the probe Job is `calibration_plan`'s.
+with the sidecar's config, Deployment, Service), and, from `access`, the ServiceAccounts/Roles of
+the router and the probe and, with `networkPolicy.enabled`, the pool's NetworkPolicies. No I/O,
+no clock, no randomness: the same inputs give byte-identical output, which is what the
+golden-file tests in tests/operator check and what makes reconciliation idempotent. Every object
+is `names.stamp`ed: owned by the pool (deleting the pool garbage-collects it) and annotated with
+the hash of its body. Called by `reconcile`; the probe Job is `calibration_plan`'s.
 
 Pod security: the router's and the probe's pods pass the Pod Security Standard `restricted`
 (non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, read-only
 root filesystem); the vLLM pods pass `baseline` (RuntimeDefault seccomp, no privilege
 escalation) and, with ``engine.podSecurity: restricted``, `restricted` too (non-root, with a
 writable HOME and /tmp). Only the router's and the probe's pods mount a service-account token.
-
-Least privilege (docs/operator.md, "RBAC"): the router lists and watches pods and ConfigMaps (its
-watches select its pool's by label; RBAC cannot narrow list or watch by label) and patches only
-its own pool's ``status`` (``status.router``); the probe patches only the profile ConfigMaps of
-the pool's current engine pods, by name, which the operator creates before it starts their probes.
 """
 
 from __future__ import annotations
@@ -31,14 +26,10 @@ from typing import Any
 import yaml
 
 from disaggpool.labels import (
-    COMPONENT_CALIBRATION,
     COMPONENT_LABEL,
     COMPONENT_ROUTER,
     CONFIG_HASH_ANNOTATION,
     GPU_TYPE_ANNOTATION,
-    GROUP,
-    K8S_COMPONENT_LABEL,
-    PLURAL,
     POOL_LABEL,
     PROFILE_LABELS,
     ROLE_LABEL,
@@ -46,16 +37,21 @@ from disaggpool.labels import (
     format_selector,
     of_pool,
 )
+from disaggpool.operator.access import (
+    network_policies,
+    probe_rules,
+    rbac,
+    router_rules,
+    watches_drift,
+)
 from disaggpool.operator.names import (
     KV_EVENTS_PORT,
     ROUTER_GRPC_PORT,
     ROUTER_HTTP_PORT,
     PoolRef,
     pool_labels,
-    profile_configmap_name,
     role_service_name,
     router_name,
-    service_account_name,
     stamp,
     workload_name,
 )
@@ -69,15 +65,11 @@ __all__ = [
     "GRPC_TOKEN_DIR",
     "NON_ROOT_UID",
     "ROUTER_CONFIG_KEY",
-    "ROUTER_RULES",
     "container_security_context",
     "engine_security_contexts",
     "pod_security_context",
-    "probe_rules",
     "render_pool",
     "render_router_config",
-    "router_rules",
-    "writes_status",
 ]
 
 CONFIG_DIR = "/etc/disaggpool"
@@ -359,7 +351,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         **({"grpc": {"token_file": f"{GRPC_TOKEN_DIR}/{GRPC_TOKEN_FILE}"}} if r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
-        **({"drift": drift} if _watches_drift(spec) else {}),
+        **({"drift": drift} if watches_drift(spec) else {}),
         "pool": {
             "kubernetes": {
                 "namespace": pool.namespace,
@@ -387,16 +379,6 @@ def _auth_config() -> dict[str, str]:
 
 def _pool_ref(pool: PoolRef) -> dict[str, str]:
     return {"namespace": pool.namespace, "name": pool.name}
-
-
-def _watches_drift(spec: PoolSpec) -> bool:
-    """The router reports per-pod prediction errors for the operator's drift re-probes."""
-    return spec.calibration.enabled and spec.calibration.max_prediction_error > 0
-
-
-def writes_status(spec: PoolSpec) -> bool:
-    """Whether the router writes ``status.router`` of its pool (a recommendation, drift)."""
-    return spec.autoscaling.enabled or _watches_drift(spec)
 
 
 def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
@@ -504,125 +486,6 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _rbac(pool: PoolRef, who: str, rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    name = service_account_name(pool, who)
-    labels = pool_labels(pool, who)
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": name, "labels": labels},
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": {"name": name, "labels": labels},
-            "rules": rules,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": name, "labels": labels},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
-        },
-    ]
-
-
-# The router watches the pool's pods (membership) and profile ConfigMaps: list then watch, each
-# by label selector. RBAC cannot narrow list or watch by label, so these rules reach every pod
-# and ConfigMap of the namespace; the selector is in the watch (docs/operator.md, "RBAC").
-ROUTER_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["pods", "configmaps"], "verbs": ["list", "watch"]}
-]
-
-
-def router_rules(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """The router's Role: `ROUTER_RULES`, plus, when it reports to the operator (a decode
-    recommendation, drift errors: sidecar.pool_writer), a merge-patch of its own pool's status
-    subresource and nothing else: no verb on the pool itself, whose spec the operator deploys."""
-    rules = list(ROUTER_RULES)
-    if writes_status(spec):
-        rules.append(
-            {
-                "apiGroups": [GROUP],
-                "resources": [f"{PLURAL}/status"],
-                "resourceNames": [pool.name],
-                "verbs": ["patch"],
-            }
-        )
-    return rules
-
-
-def probe_rules(pool: PoolRef, engine_pods: Sequence[str]) -> list[dict[str, Any]]:
-    """The probe's Role: merge-patch the profile ConfigMaps of the pool's current engine pods,
-    by name, and nothing else. The operator creates each one before it starts the pod's probe
-    (`create` cannot be narrowed by name); the names follow the pods (a new pod, a deleted one).
-    No pods, no rule: an empty resourceNames would grant every ConfigMap."""
-    names = sorted({profile_configmap_name(pool, p) for p in engine_pods})
-    if not names:
-        return []
-    return [
-        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": names, "verbs": ["patch"]}
-    ]
-
-
-# ------------------------------------------------------------------------------ network policy
-
-
-def _peer(**labels: str) -> dict[str, Any]:
-    return {"podSelector": {"matchLabels": dict(labels)}}
-
-
-def _network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """With `networkPolicy.enabled`: an engine pod is reached only by the pool's router and probes
-    (its HTTP port, and the KV-event port for the router) and by the pool's other engine pods (any
-    port: NIXL's side channel and the KV transfer itself, whose transport ports are not fixed);
-    the router only by the configured clients; the probe by nothing. Egress is left open (engines
-    download weights, every pod reaches the API server or DNS as the cluster has it)."""
-    n = spec.network_policy
-    engines = {POOL_LABEL: pool.name, K8S_COMPONENT_LABEL: "vllm"}
-    router = {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_ROUTER}
-    probe = {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_CALIBRATION}
-    http = {"protocol": "TCP", "port": spec.engine.port}
-    router_ports = [http] + (
-        [{"protocol": "TCP", "port": KV_EVENTS_PORT}] if spec.router.kv_events else []
-    )
-    clients = [dict(c) for c in n.clients] or [{"podSelector": {}}]  # none: its own namespace
-    front = [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]
-    if spec.router.grpc_token is not None:
-        front.append({"protocol": "TCP", "port": ROUTER_GRPC_PORT})
-
-    def policy(suffix: str, selector: dict[str, str], ingress: list[Any]) -> dict[str, Any]:
-        return {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": {
-                "name": f"{pool.name}-{suffix}",
-                "labels": pool_labels(pool, "network-policy"),
-            },
-            "spec": {
-                "podSelector": {"matchLabels": selector},
-                "policyTypes": ["Ingress"],
-                "ingress": ingress,
-            },
-        }
-
-    return [
-        policy(
-            "engines",
-            engines,
-            [
-                {"from": [_peer(**router)], "ports": router_ports},
-                {"from": [_peer(**probe)], "ports": [http]},
-                {"from": [_peer(**engines)]},
-            ],
-        ),
-        policy("router", router, [{"from": clients, "ports": front}]),
-        policy("probe", probe, []),
-    ]
-
-
 def render_pool(
     pool: PoolRef, spec: PoolSpec, engine_pods: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
@@ -631,11 +494,11 @@ def render_pool(
     `engine_pods`: the names of the pool's current engine pods, whose profile ConfigMaps the
     probe's Role may patch."""
     objs: list[dict[str, Any]] = []
-    objs += _rbac(pool, "router", router_rules(pool, spec))
+    objs += rbac(pool, "router", router_rules(pool, spec))
     if spec.calibration.enabled:
-        objs += _rbac(pool, "probe", probe_rules(pool, engine_pods))
+        objs += rbac(pool, "probe", probe_rules(pool, engine_pods))
     if spec.network_policy.enabled:
-        objs += _network_policies(pool, spec)
+        objs += network_policies(pool, spec)
     for role in (spec.prefill, spec.decode):
         objs.append(_headless_service(pool, spec, role.role))
         objs += [_vllm_deployment(pool, spec, role, v) for v in role.variants]

@@ -9,7 +9,7 @@ Every `period_s` the `PoolWriter` asks each source for its value and merge-patch
 status subresource with those that changed, in one request, each stamped with ``"at"``. The
 router never writes the pool itself (its spec is what the operator deploys): its Role allows
 `patch` on ``disaggpools/status`` of that one pool and nothing else on DisaggPools
-(`operator.render.router_rules`); the operator leaves ``status.router`` as written. Without a
+(`operator.access.router_rules`); the operator leaves ``status.router`` as written. Without a
 pool in the config it only refreshes the metrics. A failed write is logged and counted
 (`disaggpool_pool_status_failures_total`) and retried at the next period; nothing else
 depends on it.

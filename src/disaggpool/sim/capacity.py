@@ -16,7 +16,7 @@ traffic's length distribution, never tuned against results:
 * **Split**: the integer split of G GPUs that maximises the smaller of the two pool capacities
   (ties to more decode instances, where routing has choices to make).
 
-Pure arithmetic; called by `sim.paper_setup`, `sim.paper` and the demo, and recorded in the
+Pure arithmetic; called by `studies.paper_setup`, `studies.paper` and the demo, and recorded in the
 experiment's JSON.
 """
 

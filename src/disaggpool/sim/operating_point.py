@@ -1,8 +1,9 @@
 """The operating-point search: the highest rate at which a policy still attains a target goodput.
 
 This is the one search used wherever a pool has to be run "hot but not overloaded": the paper
-experiment (`sim.paper_setup` for the placement search and the per-trace rates, `sim.paper` for
-the sweeps that put each pool at its own operating point) and the demo (the rate of its trace).
+experiment (`studies.paper_setup` for the placement search and the per-trace rates,
+`studies.paper` for the sweeps that put each pool at its own operating point), the prefix study,
+the demo (the rate of its trace) and the benches.
 It is DistServe's goodput capacity, measured in the simulator: each `SearchProblem` is a run
 (trace, pool, policy, seed) whose trace is rescaled to a candidate rate, and bisection in the
 problem's bracket keeps the highest rate whose run attains the problem's target.

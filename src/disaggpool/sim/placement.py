@@ -1,7 +1,7 @@
 """Which boards of a pool prefill and which decode: every assignment, and the one that carries most.
 
 DistServe places instances by the goodput capacity each placement reaches, and so does `sim
-paper` for its pool of one board type (`sim.paper_setup.placed`), where only the number of
+paper` for its pool of one board type (`studies.paper_setup.placed`), where only the number of
 prefill instances matters. When the boards run at different speeds, which board takes which
 role matters as well: `placements` lists every distinct assignment of `boards` (at least one
 board per role; boards of equal speed are interchangeable, so an assignment that only swaps them

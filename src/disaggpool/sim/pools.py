@@ -7,7 +7,7 @@ the seed. What the calibrated router believes is what a probe would fit: the tru
 off by a relative error drawn from N(0, ``fit_error``) (3% by default, the size of the held-out
 errors our probe reports). The uncalibrated router believes the datasheet profile everywhere.
 
-Pure; called by `sim.paper_setup` and `sim.scenario`.
+Pure; called by `studies.paper_setup` and `sim.scenario`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`disaggpool sim autoscale`: decode autoscalers side by side on time-varying traffic.
 
 One experiment, `experiments.autoscale` in the JSON: every traffic shape of
-`sim.autoscale_traffic` x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds,
+`studies.autoscale_traffic` x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds,
 on the same pool and the same routing policy (`calibrated`, the router scraping every second):
 
 * Pool: the study's configuration, Qwen2.5-3B on A40s with a 60k-token KV budget
@@ -38,7 +38,6 @@ from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim.autoscale_traffic import SHAPES, shaped_trace
 from disaggpool.sim.capacity import slo_targets
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.elastic import ElasticController
@@ -47,6 +46,7 @@ from disaggpool.sim.operating_point import Progress
 from disaggpool.sim.pools import perturbed
 from disaggpool.sim.runner import run_all, staged
 from disaggpool.sim.scenario import Scenario
+from disaggpool.studies.autoscale_traffic import SHAPES, shaped_trace
 
 __all__ = [
     "AutoscaleConfig",

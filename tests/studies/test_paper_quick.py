@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from disaggpool.cli import main
-from disaggpool.sim import paper, paper_setup, paper_study
-from disaggpool.sim.paper_setup import BASELINES
+from disaggpool.studies import paper, paper_setup, paper_study
+from disaggpool.studies.paper_setup import BASELINES
 
 ROW_KEYS = {
     "setup",

@@ -1,9 +1,9 @@
 """PNG plots of the paper experiment: every experiment, with the spread of its runs.
 
 Bars carry error bars and sweeps carry bands of one standard deviation over the runs behind each
-point (traces and seeds; `report.bar_stats`, `report.sweep_bands`), so that a reader sees at a
-glance whether two policies differ by more than their run-to-run spread. Every policy label has
-one colour in every figure. Counts (decode instances, GPUs) are ticked at integers.
+point (traces and seeds; `paper_report.bar_stats`, `paper_report.sweep_bands`), so that a reader
+sees at a glance whether two policies differ by more than their run-to-run spread. Every policy
+label has one colour in every figure. Counts (decode instances, GPUs) are ticked at integers.
 
 Called by `disaggpool sim paper --plots DIR`; reads only the experiment document. Writes
 ``main_<setup>.png`` per setup run (the paper setup: one panel per SLO level), ``ablation.png``,
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from disaggpool.sim import report
-from disaggpool.sim.paper_setup import LABELS
+from disaggpool.studies import paper_report
+from disaggpool.studies.paper_setup import LABELS
 
 __all__ = ["write_plots"]
 
@@ -81,7 +81,7 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     exps = doc["experiments"]
     written = []
     by_setup: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for key, rows in report.groups(exps["main"]).items():
+    for key, rows in paper_report.groups(exps["main"]).items():
         setup, _, level = key.partition("/")
         by_setup.setdefault(setup, {})[level or setup] = rows
     for setup, panels in by_setup.items():
@@ -121,7 +121,7 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     if exps.get("constant_error"):
         written.append(
             _sweep(
-                report.groups(exps["constant_error"]),
+                paper_report.groups(exps["constant_error"]),
                 "error_factor",
                 "decode constants x factor (log scale)",
                 "Goodput when every decode constant is off by a factor",
@@ -152,7 +152,7 @@ def _main(panels: dict[str, list[dict[str, Any]]], setup: str, path: Path) -> Pa
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
     for ax, (level, rows) in zip(axes[0], panels.items(), strict=True):
-        stats = report.bar_stats(rows)
+        stats = paper_report.bar_stats(rows)
         labels = [s["policy"] for s in stats]
         xs = range(len(stats))
         ax.bar(
@@ -163,7 +163,7 @@ def _main(panels: dict[str, list[dict[str, Any]]], setup: str, path: Path) -> Pa
             color=[_colour(p) for p in labels],
         )
         # The per-trace means behind each bar (mean over seeds), so a reader sees the traces too.
-        for x, table_row in zip(xs, report.main_table(rows), strict=True):
+        for x, table_row in zip(xs, paper_report.main_table(rows), strict=True):
             traces = [v for k, v in table_row.items() if k.startswith("mixed-")]
             ax.plot([x] * len(traces), traces, "k.", markersize=4)
         ax.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=8)
@@ -178,7 +178,7 @@ def _main(panels: dict[str, list[dict[str, Any]]], setup: str, path: Path) -> Pa
 def _ablation(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    stats = report.bar_stats(rows, "variant")
+    stats = paper_report.bar_stats(rows, "variant")
     policy = {r["variant"]: r["policy"] for r in rows}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ys = list(range(len(stats)))[::-1]
@@ -215,7 +215,7 @@ def _grouped(
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(labels)
     stats = {
-        c: {s["policy"]: s for s in report.bar_stats([r for r in rows if r[key] == c])}
+        c: {s["policy"]: s for s in paper_report.bar_stats([r for r in rows if r[key] == c])}
         for c in cases
     }
     for i, label in enumerate(labels):
@@ -253,7 +253,7 @@ def _sweep(
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (setup, rows) in zip(axes[0], panels.items(), strict=True):
         xs_all: set[Any] = set()
-        for label, points in report.sweep_bands(rows, key).items():
+        for label, points in paper_report.sweep_bands(rows, key).items():
             xs = [x for x, _, _ in points]
             means = [m for _, m, _ in points]
             stds = [s for _, _, s in points]

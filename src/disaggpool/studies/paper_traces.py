@@ -4,7 +4,7 @@ Mixed trace k takes the requests of the Azure 2023 conversation and code service
 the package, `formats.embedded.azure_services`) in the same wall-clock window (minute 20k to
 20k+W of each one-hour trace), interleaved in their real order with their real lengths (prompts
 clipped, to the 8k context for the llama8b setup, to 2,048 tokens for the paper setup:
-`sim.paper_study` says why); conversation requests are class ``chat``, code requests class
+`studies.paper_study` says why); conversation requests are class ``chat``, code requests class
 ``code``. Arrival times come from a Gamma renewal process with the setup's inter-arrival CV of
 trace k (llama8b: 2, 3 and 4 for k = 0, 1, 2; paper: 1, 1.5, 2), at rate 1 (rescaled to each
 operating rate later). Passing only the conversation service gives the one-class trace of the
@@ -18,8 +18,8 @@ running router has).
 `synthetic_trace` builds the heterogeneity sweep's traces: the arrivals and mean lengths of a mixed
 trace with log-normal lengths of a chosen spread.
 
-Called by `sim.paper_setup`, `sim.paper_study` and `sim.paper`; pure (randomness is seeded from
-fixed strings).
+Called by `studies.paper_setup`, `studies.paper_study` and `studies.paper`; pure (randomness is
+seeded from fixed strings).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Protocol
 
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import workload
-from disaggpool.sim.paper_config import PaperConfig
+from disaggpool.studies.paper_config import PaperConfig
 
 __all__ = ["TRACE_CVS", "TraceSizes", "mixed_trace", "synthetic_trace"]
 

@@ -1,6 +1,6 @@
 """What `disaggpool sim prefix` prints and draws: a table per case, and goodput / hit-share bars.
 
-Reads only the JSON document of `sim.prefix_study.run_prefix`, so a saved run can be redrawn.
+Reads only the JSON document of `studies.prefix_study.run_prefix`, so a saved run can be redrawn.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from disaggpool.sim.prefix_study import POLICIES
+from disaggpool.studies.prefix_study import POLICIES
 
 __all__ = ["tables", "write_plots"]
 

@@ -1,6 +1,6 @@
 """What `disaggpool sim autoscale` prints and draws: goodput and GPU-hours per autoscaler.
 
-Reads only the JSON document of `sim.autoscale_study.run_autoscale`, so a saved run can be
+Reads only the JSON document of `studies.autoscale_study.run_autoscale`, so a saved run can be
 redrawn.
 """
 

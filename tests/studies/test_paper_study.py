@@ -1,4 +1,4 @@
-"""Tests of disaggpool.sim.paper_study (the study's own setup) and the labels of paper_setup.
+"""Tests of disaggpool.studies.paper_study (the study's own setup) and the labels of paper_setup.
 
 Everything here is pure: traces, SLO levels, splits, searches and run specs are built but not
 simulated (the quick run in test_paper_quick does that).
@@ -17,15 +17,15 @@ from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import RouterOptions
-from disaggpool.sim.paper_config import PaperConfig, StudyConfig
-from disaggpool.sim.paper_setup import (
+from disaggpool.studies.paper_config import PaperConfig, StudyConfig
+from disaggpool.studies.paper_setup import (
     LABELS,
     SEARCH_POLICY,
     llama8b_setup,
     placed,
     placement_splits,
 )
-from disaggpool.sim.paper_study import (
+from disaggpool.studies.paper_study import (
     CASES,
     LEVERS,
     MAIN_LABELS,
@@ -37,7 +37,7 @@ from disaggpool.sim.paper_study import (
     study_split,
     study_traces,
 )
-from disaggpool.sim.paper_traces import mixed_trace
+from disaggpool.studies.paper_traces import mixed_trace
 
 CFG = PaperConfig.quick()
 STUDY = StudyConfig.quick()

@@ -1,4 +1,5 @@
-"""Tests of disaggpool.sim.report: findings and tables on hand-made rows (no simulation)."""
+"""Tests of disaggpool.studies.paper_report: findings and tables on hand-made rows (no
+simulation)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from disaggpool.sim import report
-from disaggpool.sim.paper import EXPERIMENTS
+from disaggpool.studies import paper_report
+from disaggpool.studies.paper import EXPERIMENTS
 
 Row = dict[str, Any]
 
@@ -75,7 +76,7 @@ def _experiments() -> dict[str, list[Row]]:
 
 @pytest.fixture(scope="module")
 def findings() -> Row:
-    return report.findings(_experiments())
+    return paper_report.findings(_experiments())
 
 
 def test_main_findings_per_setup_and_level(findings: Row) -> None:
@@ -131,15 +132,15 @@ def test_gpu_count_fewest_matching(findings: Row) -> None:
 def test_missing_experiments_have_no_findings() -> None:
     exps: dict[str, list[Row]] = {name: [] for name in EXPERIMENTS}
     exps["main"] = _experiments()["main"]
-    assert set(report.findings(exps)) == {"main", "misses"}
+    assert set(paper_report.findings(exps)) == {"main", "misses"}
 
 
 def test_bar_stats_and_bands_spread_over_runs() -> None:
     rows = [_row(0.8, "a", load=1.0), _row(0.9, "a", load=1.0), _row(0.5, "a", load=2.0)]
-    (stats,) = report.bar_stats(rows)
+    (stats,) = paper_report.bar_stats(rows)
     assert stats["mean"] == pytest.approx(0.7333, abs=1e-4)
     assert stats["runs"] == 3
-    bands = report.sweep_bands(rows, "load")
+    bands = paper_report.sweep_bands(rows, "load")
     assert bands["a"] == [(1.0, pytest.approx(0.85), pytest.approx(0.05)), (2.0, 0.5, 0.0)]
 
 
@@ -157,9 +158,9 @@ def test_tables_render_every_group() -> None:
             }
         },
         "experiments": exps,
-        "findings": report.findings(exps),
+        "findings": paper_report.findings(exps),
     }
-    text = report.tables(doc)
+    text = paper_report.tables(doc)
     for title in (
         "main [paper/tight]",
         "main [llama8b]",

@@ -1,4 +1,4 @@
-"""Tests of disaggpool.sim.paper_traces: the paper's mixed traces and synthetic sweep traces."""
+"""Tests of disaggpool.studies.paper_traces: the paper's mixed traces and synthetic sweep traces."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import workload
-from disaggpool.sim.paper_config import PaperConfig
-from disaggpool.sim.paper_traces import TRACE_CVS, mixed_trace, synthetic_trace
+from disaggpool.studies.paper_config import PaperConfig
+from disaggpool.studies.paper_traces import TRACE_CVS, mixed_trace, synthetic_trace
 
 CFG = PaperConfig.quick()
 

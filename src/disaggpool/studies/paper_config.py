@@ -1,11 +1,12 @@
 """Sizes of the paper experiment (`disaggpool sim paper`): the full run and the `--quick` one.
 
-`PaperConfig` is read by every part of the experiment (`sim.paper_traces`, `sim.paper_setup`,
-`sim.paper_study`, `sim.paper`); it holds sizes and hardware names only. Its top-level fields
-size the ``llama8b`` setup and what both setups share (seeds, target goodput, bisection steps,
-what the router knows); `StudyConfig` (``PaperConfig.study``) sizes the ``paper`` setup, the
-study's own configuration. The principles behind the derived constants (SLO targets, split,
-operating points) are in `sim.capacity`, `sim.paper_setup` and `sim.paper_study`.
+`PaperConfig` is read by every part of the experiment (`studies.paper_traces`,
+`studies.paper_setup`, `studies.paper_study`, `studies.paper`); it holds sizes and hardware names
+only. Its top-level fields size the ``llama8b`` setup and what both setups share (seeds, target
+goodput, bisection steps, what the router knows); `StudyConfig` (``PaperConfig.study``) sizes the
+``paper`` setup, the study's own configuration. The principles behind the derived constants (SLO
+targets, split, operating points) are in `sim.capacity`, `studies.paper_setup` and
+`studies.paper_study`.
 
 What ``--quick`` skips (`PaperConfig.quick`): 2-minute trace windows instead of 12 (llama8b)
 and 6 (paper), one seed instead of three, 5 bisection steps instead of 8, llama8b's placement
@@ -26,7 +27,7 @@ SETUPS = ("llama8b", "paper")
 
 @dataclasses.dataclass(frozen=True)
 class StudyConfig:
-    """Sizes of the ``paper`` setup (see `sim.paper_study` for why each is what it is)."""
+    """Sizes of the ``paper`` setup (see `studies.paper_study` for why each is what it is)."""
 
     profile: str = "a40-qwen2.5-3b"
     datasheet: str = "a40-qwen2.5-3b-datasheet"

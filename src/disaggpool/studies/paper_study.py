@@ -10,13 +10,13 @@ model, nothing typed in. Two SLO levels run on it: ``tight`` (the study's target
 (3x both), rows carry ``"slo"``.
 
 Traffic: the same Azure conversation + code windows as llama8b's mixed traces
-(`sim.paper_traces`), but prompts clipped to 2,048 tokens and arrival CVs 1.0, 1.5 and 2.0. Why:
+(`studies.paper_traces`), but prompts clipped to 2,048 tokens and arrival CVs 1.0, 1.5 and 2.0. Why:
 the tight 175 ms TTFT is below the unloaded TTFT of a longer prompt on an A40 with this model (a
 2k prompt takes ~140 ms unloaded: 125 ms of prefill, its KV transfer and a first decode step), so
 longer prompts would miss whatever the router does; and with burstier arrivals (llama8b's CVs 2-4)
 round-robin attains 0.85 goodput at no load at all under the tight SLO, so no operating point
 exists by the principle both setups share. Each trace x SLO level runs at round-robin's 0.85
-point (`sim.paper_setup`); the predictor first learns from 2,000 requests from outside the
+point (`studies.paper_setup`); the predictor first learns from 2,000 requests from outside the
 window, clipped alike.
 
 Experiments (every run with the setup's router: scraped every 1 s):
@@ -32,8 +32,8 @@ Experiments (every run with the setup's router: scraped every 1 s):
 * ``gpu_count`` (tight, trace 0): G GPUs split with prefill = round(G/3) (`study_split`: 2P+4D at
   6, the study's ratio) at the rate round-robin carries at 0.85 goodput on 7 GPUs (2P+5D).
 
-`Study` derives the setup (its searches go into `sim.paper`'s lockstep search) and builds the
-runs. Called by `sim.paper`; `sim.report` reads `LEVERS`, `CASES` and `VARIANTS`.
+`Study` derives the setup (its searches go into `studies.paper`'s lockstep search) and builds the
+runs. Called by `studies.paper`; `studies.paper_report` reads `LEVERS`, `CASES` and `VARIANTS`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import RouterOptions
 from disaggpool.sim.operating_point import SearchProblem
-from disaggpool.sim.paper_config import PaperConfig, StudyConfig
-from disaggpool.sim.paper_setup import (
+from disaggpool.sim.runner import RunSpec
+from disaggpool.studies.paper_config import PaperConfig, StudyConfig
+from disaggpool.studies.paper_setup import (
     LABELS,
     SWEEP_LABELS,
     Arm,
@@ -61,8 +62,7 @@ from disaggpool.sim.paper_setup import (
     paper_run,
     rate_search,
 )
-from disaggpool.sim.paper_traces import mixed_trace
-from disaggpool.sim.runner import RunSpec
+from disaggpool.studies.paper_traces import mixed_trace
 
 __all__ = [
     "BASE_LABELS",

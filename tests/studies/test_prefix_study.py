@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disaggpool.sim import prefix_report
-from disaggpool.sim.prefix_study import POLICIES, PrefixConfig, run_prefix
+from disaggpool.studies import prefix_report
+from disaggpool.studies.prefix_study import POLICIES, PrefixConfig, run_prefix
 
 
 def test_small_prefix_experiment(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Tables and findings of the paper experiment, computed from its JSON rows (pure).
 
-`sim.paper` produces the rows; this module aggregates them (goodput per trace and policy, sweep
-tables, means with their spread), computes the findings (`findings`) and renders the text tables
-the CLI prints (`tables`). `sim.plots` draws the same aggregates.
+`studies.paper` produces the rows; this module aggregates them (goodput per trace and policy,
+sweep tables, means with their spread), computes the findings (`findings`) and renders the text
+tables the CLI prints (`tables`, laid out by `sim.table`). `studies.paper_plots` draws the same
+aggregates.
 
 Rows are grouped by setup: ``group_key`` is ``llama8b``, ``paper/tight`` or ``paper/loose``. A
 policy's mean goodput is the mean of its per-trace means (each trace weighs the same); its std
@@ -45,8 +46,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from disaggpool.core.stats import mean_or_nan
-from disaggpool.sim.paper_setup import BASELINES
-from disaggpool.sim.paper_study import LEVERS
+from disaggpool.sim.table import render
+from disaggpool.studies.paper_setup import BASELINES
+from disaggpool.studies.paper_study import LEVERS
 
 __all__ = [
     "bar_stats",
@@ -54,7 +56,6 @@ __all__ = [
     "group_key",
     "groups",
     "main_table",
-    "render",
     "sweep_bands",
     "sweep_table",
     "tables",
@@ -241,7 +242,7 @@ def _gain_over_baselines(table: Sequence[Row], key: str) -> dict[str, float]:
 
 
 def findings(experiments: dict[str, list[Row]]) -> Row:
-    """The findings (numbers only; the README interprets); keys in the module docstring."""
+    """The findings (numbers only; docs/results/ interprets them); keys in the module docstring."""
     out: Row = {}
     main = groups(experiments.get("main", []))
     if main:
@@ -391,20 +392,3 @@ def tables(doc: Row) -> str:
         else:
             buf.write(f"  {k}: {v}\n")
     return buf.getvalue()
-
-
-def render(title: str, rows: Sequence[Row]) -> str:
-    if not rows:
-        return f"{title}\n  (no rows)\n\n"
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    widths = {c: max(len(c), *(len(_fmt(r.get(c, ""))) for r in rows)) for c in cols}
-    lines = [title, "  " + "  ".join(c.ljust(widths[c]) for c in cols)]
-    for r in rows:
-        lines.append("  " + "  ".join(_fmt(r.get(c, "")).ljust(widths[c]) for c in cols))
-    return "\n".join(lines) + "\n\n"
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 10 else f"{v:.2f}"
-    return str(v)

@@ -3,9 +3,9 @@
 Two setups, every row tagged with its own (``"setup"``):
 
 * ``llama8b``: Llama-3-8B on 8 A40s, the split found by placement search, three Azure mixed
-  traces with arrival CV 2/3/4, SLOs as multiples of unloaded latency (`sim.paper_setup`);
+  traces with arrival CV 2/3/4, SLOs as multiples of unloaded latency (`studies.paper_setup`);
 * ``paper``: the study's own configuration, Qwen2.5-3B on 2P+4D A40s with its fixed SLOs at two
-  levels (rows carry ``"slo"``: ``tight`` or ``loose``) (`sim.paper_study`).
+  levels (rows carry ``"slo"``: ``tight`` or ``loose``) (`studies.paper_study`).
 
 Every trace (and SLO level) runs at the rate at which round-robin attains 0.85 goodput on it, and
 every sweep point or case at its own such rate. The experiments (`EXPERIMENTS`, in output order):
@@ -37,7 +37,7 @@ The document `run_paper` returns (and ``--json`` writes):
   each row's ``policy`` is a label of `paper_setup.LABELS` (``calibrated`` = the P/D decider on,
   ``constant_error`` rows: a scorer of `paper_setup.ERROR_ARMS`;
   as the product runs it), its ``options``, ``router`` and ``predictor`` say what ran;
-* ``findings``: `report.findings`, whose keys its docstring documents.
+* ``findings``: `paper_report.findings`, whose keys its docstring documents.
 
 The searches run lockstep (`paper_setup.solve_searches`) in three stages: everything the
 configuration alone fixes (llama8b's placement, all of the paper setup's rates), then llama8b's
@@ -52,10 +52,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim import capacity, report, workload
+from disaggpool.sim import capacity, workload
 from disaggpool.sim.operating_point import Progress, SearchProblem
-from disaggpool.sim.paper_config import PaperConfig
-from disaggpool.sim.paper_setup import (
+from disaggpool.sim.runner import RunSpec, run_all, staged
+from disaggpool.studies import paper_report
+from disaggpool.studies.paper_config import PaperConfig
+from disaggpool.studies.paper_setup import (
     SEARCH_POLICY,
     SWEEP_LABELS,
     Setup,
@@ -67,9 +69,8 @@ from disaggpool.sim.paper_setup import (
     rate_search,
     solve_searches,
 )
-from disaggpool.sim.paper_study import BASE_LABELS, Study
-from disaggpool.sim.paper_traces import synthetic_trace
-from disaggpool.sim.runner import RunSpec, run_all, staged
+from disaggpool.studies.paper_study import BASE_LABELS, Study
+from disaggpool.studies.paper_traces import synthetic_trace
 
 __all__ = ["EXPERIMENTS", "LLAMA8B_LABELS", "PaperConfig", "build_specs", "run_paper"]
 
@@ -448,4 +449,5 @@ def run_paper(
     experiments: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPERIMENTS}
     for spec, row in zip(flat, rows, strict=True):
         experiments[spec.experiment].append(row)
-    return {"setups": setups, "experiments": experiments, "findings": report.findings(experiments)}
+    findings = paper_report.findings(experiments)
+    return {"setups": setups, "experiments": experiments, "findings": findings}

@@ -1,6 +1,6 @@
 """The setups of the paper experiment, the policies it compares, and the llama8b derivation.
 
-Shared by both setups (``llama8b`` here, ``paper`` in `sim.paper_study`):
+Shared by both setups (``llama8b`` here, ``paper`` in `studies.paper_study`):
 
 * `Setup`: the derived constants every run of one setup (and SLO level) shares; its runs are
   built by `paper_run` and its operating-point searches by `rate_search`. Every row carries the
@@ -25,7 +25,7 @@ once from the principles in `sim.capacity` and `sim.pools` and recorded in the o
 (`Setup.describe`):
 
 * Hardware: Llama-3-8B on A40 (`a40-llama3-8b`), per-instance speed spread 5%, probe fit error 3%.
-* Traffic: the three mixed bursty traces of `sim.paper_traces`.
+* Traffic: the three mixed bursty traces of `studies.paper_traces`.
 * Operating point: the paper reports baselines at 0.835-0.847 goodput, i.e. a pool run hot. We
   put every trace at *the rate at which round-robin attains 0.85 goodput* on it (found by
   bisection in the simulator, `sim.operating_point`). The policy used to find it knows nothing,
@@ -38,7 +38,7 @@ once from the principles in `sim.capacity` and `sim.pools` and recorded in the o
   `PaperConfig.split_window`, its centre: ``--quick`` searches only the nearby splits).
 * SLO targets: multiples of unloaded latency (`sim.capacity`).
 
-Called by `sim.paper` and `sim.paper_study`.
+Called by `studies.paper` and `studies.paper_study`.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim import capacity, workload
 from disaggpool.sim.cluster import RouterOptions
 from disaggpool.sim.operating_point import Progress, SearchProblem, operating_rates
-from disaggpool.sim.paper_config import PaperConfig
-from disaggpool.sim.paper_traces import mixed_trace
 from disaggpool.sim.pools import build_pool
 from disaggpool.sim.runner import RunSpec
+from disaggpool.studies.paper_config import PaperConfig
+from disaggpool.studies.paper_traces import mixed_trace
 
 __all__ = [
     "BASELINES",
