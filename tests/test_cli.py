@@ -130,6 +130,16 @@ def test_sim_run_is_deterministic(tmp_path: Path) -> None:
     first = outs[0].read_bytes()
     assert outs[1].read_bytes() == first
     assert outs[2].read_bytes() == first  # the number of workers does not change the output
+    # The example runs seeds 1 and 2: each policy's rows differ between them (jittered engines,
+    # seeded policies), so the bytes above are the seed's doing, not a constant.
+    rows = json.loads(first)["experiments"]["run"]
+    by_seed: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_seed.setdefault(row["seed"], {})[row["policy"]] = {
+            k: v for k, v in row.items() if k != "seed"
+        }
+    assert sorted(by_seed) == [1, 2]
+    assert all(by_seed[1][policy] != by_seed[2][policy] for policy in by_seed[1])
 
 
 def _expect_input_error(path: Path, capsys: pytest.CaptureFixture[str], *needles: str) -> str:
@@ -265,3 +275,15 @@ def test_tokenizer_writes_the_emulators_tokenizer_for_other_clients(
 
     assert main(["tokenizer", str(tmp_path / "t2"), "--vocab-size", "8"]) == 2
     assert "--vocab-size" in capsys.readouterr().err
+
+
+def test_configmap_labels_flag_parses_and_names_bad_items() -> None:
+    from disaggpool import cli
+    from disaggpool.errors import InputError
+
+    assert cli._labels("a=1,b/c=x") == {"a": "1", "b/c": "x"}
+    assert cli._labels(None) is None
+    with pytest.raises(InputError, match="nolabel"):
+        cli._labels("a=1,nolabel")
+    args = cli.build_parser().parse_args(["operator", "--namespace", "a", "--namespace", "b"])
+    assert args.namespace == ["a", "b"] and args.func is cli.cmd_operator

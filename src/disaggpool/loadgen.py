@@ -8,6 +8,10 @@ the model. TTFT is the time to the first streamed token; TPOT is (latency - TTFT
 from the final ``usage`` block; a request meets its SLO when both are within its class targets
 (the class is sent as header ``X-SLO-Class``, which the disaggpool front door reads). A request
 that errors or is refused counts against goodput, and every one is accounted for in the report.
+The per-request rows of ``--json`` carry that verdict (`met`) and the pods that served the request
+when the server names them in the ``X-Disaggpool-Prefill-Pod`` / ``X-Disaggpool-Decode-Pod``
+response headers (empty otherwise, e.g. a plain vLLM), so a user can bootstrap an interval or
+split the results by pod without scoring the SLO again.
 
 Traces with prefix blocks (`TraceRequest.blocks`, e.g. the Mooncake trace): every block id becomes
 one fixed run of `block_tokens` token ids, drawn from a generator seeded by the id alone, and a
@@ -32,10 +36,12 @@ from typing import Any
 
 import aiohttp
 
+from disaggpool import progress
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.stats import percentile
 from disaggpool.errors import InputError
 from disaggpool.formats.traces import TraceRequest, read_trace
+from disaggpool.pdwire import DECODE_POD_HEADER, PREFILL_POD_HEADER
 
 __all__ = ["LoadReport", "RequestResult", "register", "replay"]
 
@@ -51,6 +57,8 @@ class RequestResult:
     latency_s: float
     output_tokens: int
     error: str = ""
+    prefill_pod: str = ""  # from PREFILL_POD_HEADER; "" when the server does not say
+    decode_pod: str = ""  # from DECODE_POD_HEADER; "" when the server does not say
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +70,11 @@ class LoadReport:
     def met(self, r: RequestResult) -> bool:
         slo = self.slo_classes[r.slo_class]
         return r.ok and slo.met(r.ttft_s, r.tpot_s)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per request, in trace order, with `met`: whether it met its class's SLO
+        (what `summary`'s goodput averages)."""
+        return [{**dataclasses.asdict(r), "met": self.met(r)} for r in self.results]
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.results if r.ok]
@@ -139,13 +152,18 @@ async def _one(
     first = 0.0
     usage = 0
     chunks = 0
+    pods = ("", "")
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            pods = (
+                resp.headers.get(PREFILL_POD_HEADER, ""),
+                resp.headers.get(DECODE_POD_HEADER, ""),
+            )
             if resp.status != 200:
                 text = await resp.text()
                 return RequestResult(
                     index, slo_class, False, resp.status, 0, 0, time.monotonic() - t0, 0,
-                    text[:300],
+                    text[:300], *pods,
                 )  # fmt: skip
             done = False
             async for line in resp.content:
@@ -169,13 +187,13 @@ async def _one(
     except (aiohttp.ClientError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
         return RequestResult(
             index, slo_class, False, 0, 0, 0, time.monotonic() - t0, 0,
-            str(exc) or type(exc).__name__,
+            str(exc) or type(exc).__name__, *pods,
         )  # fmt: skip
     end = time.monotonic()
     out = usage or chunks
     ttft = (first or end) - t0
     tpot = (end - first) / (out - 1) if out > 1 and first else 0.0
-    return RequestResult(index, slo_class, True, 200, ttft, tpot, end - t0, out)
+    return RequestResult(index, slo_class, True, 200, ttft, tpot, end - t0, out, "", *pods)
 
 
 async def replay(
@@ -251,15 +269,13 @@ def _slo_arg(text: str) -> SLOClass:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     classes = [_slo_arg(s) for s in args.slo] or [SLOClass("default", 2.0, 0.1)]
     trace = read_trace(args.trace, default_class=classes[0].name)
     if args.limit:
         trace = trace[: args.limit]
     if not trace:
         raise InputError(args.trace, "<file>", "no requests")
-    bar = tqdm(total=len(trace), desc="requests", unit="req", leave=False)
+    bar = progress.bar(total=len(trace), desc="requests", unit="req", leave=False)
 
     def tick(_: object) -> None:
         bar.update(1)
@@ -284,8 +300,8 @@ def _run(args: argparse.Namespace) -> int:
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
     if args.json:
-        rows = [dataclasses.asdict(r) for r in report.results]
-        Path(args.json).write_text(json.dumps({"summary": summary, "requests": rows}, indent=1))
+        doc = {"summary": summary, "requests": report.rows()}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 
@@ -303,5 +319,10 @@ def register(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--vocab-size", type=int, default=500, help="prompt token ids are below this")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="write the summary and every request")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the summary and every request (its times, `met`: whether it met its SLO, "
+        "and the prefill/decode pods that served it where the server names them)",
+    )
     p.set_defaults(func=_run)

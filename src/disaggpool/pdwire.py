@@ -1,5 +1,6 @@
-"""What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1), and how
-long it may keep a connection to a pod.
+"""What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1), how
+long it may keep a connection to a pod, and the headers in which our front door names the pods
+that served a request.
 
 The prefill leg carries these `kv_transfer_params`, exactly as vLLM's reference proxy and llm-d's
 sidecar send them; the decode leg carries the prefill answer's `kv_transfer_params` unchanged.
@@ -10,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["POD_CONNECTION_REUSE_S", "VLLM_KEEP_ALIVE_S", "prefill_leg_params"]
+__all__ = [
+    "DECODE_POD_HEADER",
+    "POD_CONNECTION_REUSE_S",
+    "PREFILL_POD_HEADER",
+    "VLLM_KEEP_ALIVE_S",
+    "prefill_leg_params",
+]
 
 #: vLLM's HTTP server closes a connection left idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
 VLLM_KEEP_ALIVE_S = 5
@@ -19,6 +26,11 @@ VLLM_KEEP_ALIVE_S = 5
 #: request sent down a connection the pod is closing at that moment never arrives, and the
 #: client sees a failed leg from a healthy pod (seen in CI against real vLLM: a 502).
 POD_CONNECTION_REUSE_S = 3.0
+
+#: Response headers naming the pods that served a request, so that a client (`loadgen --json`)
+#: can split its results by pod. No prefill pod on the local path (the decode pod prefilled).
+PREFILL_POD_HEADER = "X-Disaggpool-Prefill-Pod"
+DECODE_POD_HEADER = "X-Disaggpool-Decode-Pod"
 
 
 def prefill_leg_params() -> dict[str, Any]:

@@ -28,11 +28,25 @@ def test_missing_destination_exits_2(capsys: pytest.CaptureFixture[str]) -> None
     assert "--out" in capsys.readouterr().err
 
 
+def test_the_role_is_required(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prefill pod probed without `--role` must not get a decode pod's verdict: nothing on a
+    vLLM pod says which it is (both run the same NIXL `kv_both` connector), so the caller says."""
+    monkeypatch.delenv("DISAGGPOOL_ROLE", raising=False)
+    assert main(["calibrate", "--endpoint", "http://127.0.0.1:1", "--out", "-"]) == 2
+    assert "--role" in capsys.readouterr().err
+    monkeypatch.setenv("DISAGGPOOL_ROLE", "both")
+    assert main(["calibrate", "--endpoint", "http://127.0.0.1:1", "--out", "-"]) == 2
+    assert "DISAGGPOOL_ROLE" in capsys.readouterr().err
+
+
 def test_unreachable_pod_exits_4_and_writes_nothing(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "p.yaml"
-    code = main(["calibrate", "--endpoint", f"http://127.0.0.1:{free_port()}", "--out", str(out)])
+    pod = f"http://127.0.0.1:{free_port()}"
+    code = main(["calibrate", "--endpoint", pod, "--role", "prefill", "--out", str(out)])
     assert code == 4
     assert not out.exists()
     assert "probe failed" in capsys.readouterr().err
@@ -49,6 +63,7 @@ def test_environment_configures_a_job(
 ) -> None:
     monkeypatch.setenv("DISAGGPOOL_ENDPOINT", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("DISAGGPOOL_OUT", "-")
+    monkeypatch.setenv("DISAGGPOOL_ROLE", "decode")
     # parsed from the environment: gets as far as trying the (closed) port
     assert main(["calibrate"]) == 4
 
@@ -68,12 +83,15 @@ def test_a_poor_fit_exits_3_unless_accepted(
         builtin_profile("a40-qwen2.5-3b"), quality="poor", ttft_mape=0.6, tpot_mape=0.4
     )
     monkeypatch.setattr(
-        probe, "run_probe", lambda cfg, progress=None: ProbeResult(poor, {"elapsed_s": 1.0})
+        probe,
+        "run_probe",
+        lambda cfg, progress=None, started=None: ProbeResult(poor, {"elapsed_s": 1.0}),
     )
     for extra, code in (([], 3), (["--accept-poor"], 0)):
         out = tmp_path / f"p{code}.yaml"
         args = ["calibrate", "--endpoint", "http://127.0.0.1:1", "--out", str(out), *extra]
-        assert main(args) == code
+        assert main([*args, "--role", "decode"]) == code
         assert load_profile(out).quality == "poor"
     monkeypatch.setenv("DISAGGPOOL_ACCEPT_POOR", "1")
+    monkeypatch.setenv("DISAGGPOOL_ROLE", "decode")
     assert main(["calibrate", "--endpoint", "http://x:1", "--out", str(tmp_path / "e.yaml")]) == 0

@@ -1,4 +1,5 @@
-"""The probe's ConfigMap sink against kmock, a protocol-faithful Kubernetes API emulator."""
+"""The probe's ConfigMap sink against kmock, a protocol-faithful Kubernetes API emulator, and
+the `--configmap-owner` value it sets as the owner."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import yaml
 from disaggpool.calibration import sinks
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.profile import profile_from_dict
+from disaggpool.errors import InputError
 from disaggpool.labels import PROFILE_KEY, REPORT_KEY
+from disaggpool.operator.names import PoolRef, owner_reference
 
 
 @pytest.mark.asyncio
@@ -88,3 +91,14 @@ async def test_an_unreachable_or_refusing_api_server_names_the_target(
             await asyncio.to_thread(sinks.write_configmap, profile, "ns/name", {})
     finally:
         await runner.cleanup()
+
+
+def test_configmap_owner_flag_parses_and_names_bad_values() -> None:
+    owner = sinks.pool_owner("small/1234-abcd")
+    # The same reference the operator sets (`names.owner_reference`): the probe's write changes
+    # nothing the operator created, and needs no right to set blockOwnerDeletion anew.
+    assert owner == owner_reference(PoolRef("small", "serving", "1234-abcd"))
+    assert sinks.pool_owner(None) is None and sinks.pool_owner("") is None
+    for bad in ("small", "small/", "/uid", "a/b/c"):
+        with pytest.raises(InputError, match="POOL/UID"):
+            sinks.pool_owner(bad)

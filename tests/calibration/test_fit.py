@@ -176,12 +176,12 @@ INTERVAL_DATA = {
 
 @pytest.mark.parametrize("data", INTERVAL_DATA)
 def test_every_interval_contains_its_estimate(data: str) -> None:
-    """The 95% interval describes the reported coefficient (issue #14: a d1 of 6.236e-4 came with
-    [6.238e-4, 6.498e-4], the interval of a cheaper fit of fewer points): whatever the seed, the
+    """The 95% interval describes the reported coefficient (the interval of a cheaper fit of
+    fewer points can miss it: a d1 of 6.236e-4 with [6.238e-4, 6.498e-4]): whatever the seed, the
     data's noise, or a coefficient pinned at its bound."""
     at_bound = 0
-    # Seed 33: the old interval (5 Huber iterations on the training split) missed d2 with 10%
-    # noise by 15% of its value, with 30% by 190%.
+    # Seed 33: there an interval from 5 Huber iterations on the training split misses d2 with
+    # 10% noise by 15% of its value, with 30% by 190%.
     for seed in [*range(12), 33]:
         f = INTERVAL_DATA[data](random.Random(seed))
         for name, c, lo, hi in zip(f.names, f.coef, f.ci_low, f.ci_high, strict=True):

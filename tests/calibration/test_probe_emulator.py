@@ -41,7 +41,7 @@ OVERHEADS = dataclasses.replace(
     kv_transfer=KVTransferModel(0.020, A40.kv_transfer.bytes_per_token, 10e9),
 )
 
-# The link of issue #14: slower than the probe's defaults (2 ms + 20 GB/s) for every prompt.
+# A link slower than the probe's defaults (2 ms + 20 GB/s) for every prompt.
 SLOW_LINK = dataclasses.replace(
     A40,
     name="a40-slow-link",
@@ -114,9 +114,9 @@ def test_probe_recovers_the_hidden_profile(true: CalibrationProfile) -> None:
 
 @pytest.mark.slow
 def test_without_a_peer_the_transfer_is_marked_unmeasured_and_not_good() -> None:
-    """Issue #14: a decode probe without --peer wrote the defaults for this link (k0 -33%,
-    bandwidth +67%) and rated the profile good. The profile now says its KV transfer was not
-    measured, in a form its file keeps for the router, and is at most fair."""
+    """A decode probe without --peer can only write the defaults, wrong for this link (k0 -33%,
+    bandwidth +67%): the profile says its KV transfer was not measured, in a form its file keeps
+    for the router, and is at most fair, never good."""
     cfg = EmulatorConfig(SLOW_LINK, port=0, side_channel_port=0, jitter=0.03, seed=7)
     with EmulatorThread(cfg) as decode:
         result = run_probe(

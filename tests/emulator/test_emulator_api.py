@@ -189,6 +189,8 @@ def test_seeded_output_is_deterministic(emu: EmulatorThread, http: Http) -> None
     a = http.post(emu.url + "/v1/completions", body).json()["choices"][0]["text"]
     b = http.post(emu.url + "/v1/completions", body).json()["choices"][0]["text"]
     assert a == b
+    other = http.post(emu.url + "/v1/completions", {**body, "seed": 8}).json()
+    assert other["choices"][0]["text"] != a  # the seed matters, not just the prompt
 
 
 def test_metrics_names_types_labels_buckets(emu: EmulatorThread, http: Http) -> None:

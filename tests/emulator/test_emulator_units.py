@@ -177,6 +177,12 @@ def test_side_channel_env() -> None:
     ) == ("198.18.0.7", 5601)
     with pytest.raises(InputError):
         side_channel_from_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
+    # --side-channel-port wins over the variable; a bad one is named as the flag
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
+    assert side_channel_from_env(env, port_flag=5700) == ("localhost", 5700)
+    assert side_channel_from_env(env, port_flag=0) == ("localhost", 0)
+    with pytest.raises(InputError, match="--side-channel-port"):
+        side_channel_from_env(env, port_flag=70000)
 
 
 def test_keep_alive_env() -> None:
@@ -210,6 +216,9 @@ def test_cli_parses_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert (cfg.port, cfg.served_names, cfg.model_len) == (8100, ("a", "b"), 4096)
     assert (cfg.kv_lease_duration, cfg.max_num_queued_reqs, cfg.jitter) == (5.0, 10, 0.0)
     assert (cfg.startup_delay, cfg.side_channel_port) == (1.5, 5701)
+    flag = cli.build_parser().parse_args(["--profile", "a40-llama3-8b", "--side-channel-port", "0"])
+    assert cli.config_from_args(flag).side_channel_port == 0  # the flag wins over the variable
+    assert "--side-channel-port" in cli.build_parser().format_help()
 
 
 def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

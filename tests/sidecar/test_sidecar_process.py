@@ -3,6 +3,7 @@ cleanly (exit 0)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import yaml
 from sidecar_testkit import A40
 
-from disaggpool.demo import free_port
+from disaggpool.localpool.processes import free_port
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="uvloop is not a dependency on Windows")
@@ -47,6 +48,9 @@ def test_the_sidecar_process_runs_on_uvloop_and_stops_on_sigterm(
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
             assert resp.status == 200
         assert "sidecar up on uvloop" in log.read_text()
+        # The addresses it bound, not a bare ":PORT" (the gRPC port 0 resolved to the real one).
+        assert f"HTTP front door on http://127.0.0.1:{port}," in log.read_text()
+        assert re.search(r"gRPC on 127\.0\.0\.1:[1-9][0-9]*$", log.read_text(), re.MULTILINE)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
     finally:

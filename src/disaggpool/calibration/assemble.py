@@ -141,10 +141,11 @@ def _unmeasured_transfer(role: str, quality: str, reason: str) -> tuple[str, str
     """The verdict of a profile whose KV transfer holds the defaults (no --peer to measure it).
 
     A decode pod's transfer prices every decode leg it takes, so defaults there are at most
-    `fair`: a link of 3 ms + 12 GB/s once went out as the defaults' 2 ms + 20 GB/s rated `good`
-    (issue #14). The router replaces them by its pool's measured median (`core.policies.
-    calibrated`). A prefill pod's transfer is never priced (the decode pod pulls the KV, and the
-    cost model reads the decode pod's profile): it is marked unmeasured, its verdict kept."""
+    `fair`: they say nothing of the pod's own link (one of 3 ms + 12 GB/s would be priced as
+    2 ms + 20 GB/s), which `good` would claim. The router replaces them by its pool's measured
+    median (`core.policies.calibrated`). A prefill pod's transfer is never priced (the decode pod
+    pulls the KV, and the cost model reads the decode pod's profile): it is marked unmeasured,
+    its verdict kept."""
     reason += "; KV transfer not measured (no --peer): default 2 ms + 20 GB/s, marked unmeasured"
     if role != "decode":
         return quality, reason + " (a prefill pod's is not used)"

@@ -216,11 +216,10 @@ def _bootstrap_ci(
     """95% percentile bootstrap interval of `coef`, the `huber_nnls` fit of every point.
 
     Each round resamples all the points `coef` was fitted on and refits them with the very same
-    estimator (all its iterations), so that the interval describes the coefficients reported. It
-    used to come from 5 Huber iterations on the training split: another estimator, whose interval
-    could miss the reported value (issue #14: d1 6.236e-4 with [6.238e-4, 6.498e-4]). Cost: 200
-    full fits, about 0.1 s for the 180 prefill or 66 decode samples of a 60 s probe (no more than
-    the cheaper fits took, `huber_nnls` having been made lighter for it).
+    estimator (all its iterations), so that the interval describes the coefficients reported: a
+    cheaper estimator (fewer Huber iterations, the training split alone) describes other
+    coefficients, and its interval can miss the reported value. Cost: 200 full fits, about 0.1 s
+    for the 180 prefill or 66 decode samples of a 60 s probe.
 
     The interval is then widened, where needed, to reach `coef`: a percentile interval need not
     contain its own estimate (a skewed bootstrap distribution, a coefficient pinned at its bound

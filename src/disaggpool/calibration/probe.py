@@ -29,8 +29,7 @@ from disaggpool.pdwire import POD_CONNECTION_REUSE_S
 __all__ = ["ProbeConfig", "ProbeError", "ProbeResult", "run_probe"]
 
 
-async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
-    start = time.perf_counter()
+async def _probe(cfg: ProbeConfig, progress: Progress | None, start: float) -> ProbeResult:
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     connector = aiohttp.TCPConnector(keepalive_timeout=POD_CONNECTION_REUSE_S)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
@@ -46,15 +45,23 @@ async def _probe(cfg: ProbeConfig, progress: Progress | None) -> ProbeResult:
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ProbeError(f"probe requests failed: {exc!r}") from None
-    elapsed = time.perf_counter() - start
     net = assemble.net_of_request_path(measured)
     fits = assemble.fit_all(net, cfg)
+    elapsed = time.perf_counter() - start  # discovery, measuring and fitting: what the cap covers
     fitted_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return assemble.assemble(cfg, pod, net, fits, elapsed_s=elapsed, fitted_at=fitted_at)
 
 
-def run_probe(cfg: ProbeConfig, progress: Progress | None = None) -> ProbeResult:
-    """Probe one pod (blocking); raises ProbeError when it cannot."""
+def run_probe(
+    cfg: ProbeConfig, progress: Progress | None = None, *, started: float | None = None
+) -> ProbeResult:
+    """Probe one pod (blocking); raises ProbeError when it cannot.
+
+    The budget (`cfg.budget_s`, at most `stages.HARD_STOP` times it with the fits) counts from
+    `started`, a `time.perf_counter` reading (default: now). `disaggpool calibrate` passes its
+    own start, so that its imports count too and its whole run keeps to the cap a user times.
+    """
+    start = time.perf_counter() if started is None else started
     factory = precise_loop.busy_poll_event_loop if cfg.busy_poll else None
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(_probe(cfg, progress))
+        return runner.run(_probe(cfg, progress, start))

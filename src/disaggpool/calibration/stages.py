@@ -17,8 +17,12 @@
 
 Each stage has a share of the budget and stops early when it runs out (a fit needs only a few
 points per coefficient, so an early stop still yields a profile, with its held-out error saying
-how good). Each grid is repeated, reshuffled, until its stage's time is up. All requests go
-through `client.Client`; the samples go to `assemble` (pure) for fitting.
+how good). Each grid is repeated, reshuffled, until its stage's time is up. A stage short of the
+samples a fit needs runs on, to `HARD_STOP` times the budget at most: there every request still
+in flight is cut (closing it aborts it on the pod, as vLLM aborts a request whose client went
+away) and its point dropped, so that a slow point (a batch of 64 streams, an 8k-token prompt)
+cannot carry the probe seconds past the cap. All requests go through `client.Client`; the
+samples go to `assemble` (pure) for fitting.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import itertools
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -53,7 +57,12 @@ __all__ = [
 PREFILL_SHARE = 0.30
 TRANSFER_SHARE = 0.20  # the decode stage has the rest, up to 95% of the budget
 DECODE_END = 0.95
-HARD_STOP = 1.25  # a stage short of samples may run on to this share of the budget, no further
+# A stage short of samples may run on, but the probe, its fits included, ends within this share
+# of the budget: measuring stops `FIT_RESERVE_S` before it (never before the budget itself), as
+# the fits of a few samples on a busy machine take up to about that (a bootstrap refit of a few
+# repeated points runs all its Huber iterations).
+HARD_STOP = 1.25
+FIT_RESERVE_S = 1.0
 DECODE_TOKENS = 24  # tokens per stream in the decode stage, at first
 DECODE_TOKENS_MAX = 96  # a grid point whose streams never all decoded together gets up to this
 DECODE_PASSES = 8  # most passes through the decode grid (fewer when the budget runs out)
@@ -78,6 +87,24 @@ class Stop:
         now = time.perf_counter()
         return now > self.hard or (now > self.soft and have >= self.need)
 
+    async def within(self, work: Awaitable[object], have: int) -> bool:
+        """Await one grid point's `work`, cut where the stage ends: at `soft` when the stage
+        already has the samples it needs (`have`), else at `hard`. False when it was cut (its
+        requests closed), True when it finished. A request's own timeout still raises.
+
+        Cutting at `soft` keeps a stage to its share: a long point in flight there (an 8k-token
+        prompt and its partial twin: two seconds on an A40) would take the next stage's time."""
+        end = self.soft if have >= self.need else self.hard
+        deadline = asyncio.timeout(end - time.perf_counter())
+        try:
+            async with deadline:
+                await work
+        except TimeoutError:
+            if deadline.expired():
+                return False
+            raise
+        return True
+
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
@@ -86,9 +113,14 @@ class Budget:
     start: float
     seconds: float
 
+    @property
+    def hard(self) -> float:
+        """When measuring stops whatever it has (a `time.perf_counter` reading)."""
+        return self.start + max(HARD_STOP * self.seconds - FIT_RESERVE_S, self.seconds)
+
     def stop(self, share: float, need: int) -> Stop:
         """A stage that ends at `share` of the budget once it has `need` samples."""
-        return Stop(self.start + share * self.seconds, self.start + HARD_STOP * self.seconds, need)
+        return Stop(self.start + share * self.seconds, self.hard, need)
 
 
 async def prefill_stage(
@@ -104,19 +136,22 @@ async def prefill_stage(
     of at least two blocks is followed by one sharing its leading half (whole blocks) and new
     after it, whose TTFT goes to `partial` with the cached tokens."""
     top = max(16, min(pod.max_model_len - 8, 8192))  # long prompts pin down the quadratic term
-    grid = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
+    lengths = sorted({round(16 * (top / 16) ** (i / 9)) for i in range(10)})
     # Two more of the shortest and three of the longest per pass: the fixed cost is read off the
-    # first, the quadratic term off the second, where it is a fifth of the TTFT or more.
-    grid += grid[:1] * 2 + grid[-1:] * 3
+    # first, the quadratic term off the second, where it is a fifth of the TTFT or more. Not in
+    # the first pass, which visits each length once: a stage cut short (a short budget, a pod
+    # whose long prompts take a second each) then has the whole range for the price of one
+    # pass, where three more of the longest would cost it most of its samples.
+    extras = lengths[:1] * 2 + lengths[-1:] * 3
     shuffle = random.Random(1)
     plan = []
-    for _ in range(PREFILL_PASSES):  # each pass shuffled: an early stop keeps the spread
+    for n in range(PREFILL_PASSES):  # each pass shuffled: an early stop keeps the spread
+        grid = lengths + (extras if n else [])
         shuffle.shuffle(grid)
         plan += grid
     samples: list[fit.PrefillSample] = []
-    for i, n in enumerate(plan):
-        if stop.due(len(samples)):
-            break
+
+    async def point(i: int, n: int) -> None:
         prompt = client.prompt(n)
         overhead = await client.rejected(pod, prompt)
         if overhead is not None:
@@ -131,6 +166,10 @@ async def prefill_stage(
             times = await client.stream(pod, prompt[:cached] + client.prompt(n - cached), 1)
             if len(times) >= 2:
                 partial.append(fit.PrefillSample(n, times[1] - times[0], cached))
+
+    for i, n in enumerate(plan):
+        if stop.due(len(samples)) or not await stop.within(point(i, n), len(samples)):
+            break
         if progress:
             progress("prefill", i + 1, len(plan))
     return samples
@@ -176,9 +215,9 @@ async def decode_stage(
     tokens = dict.fromkeys(grid, DECODE_TOKENS)
     samples: list[fit.DecodeSample] = []
     server_timed = 0
-    for i, (b, ctx) in enumerate(plan):
-        if stop.due(len(samples)):
-            break
+
+    async def point(b: int, ctx: int) -> None:
+        nonlocal server_timed
         n = tokens[b, ctx]
         before = await client.itl_totals(pod)
         runs = await asyncio.gather(*(client.stream(pod, ctx, n) for _ in range(b)))
@@ -217,6 +256,10 @@ async def decode_stage(
                 itl = (after[0] - before[0]) / (after[1] - before[1])
                 samples.append(fit.DecodeSample(b, b * (ctx + n / 2), itl))
                 server_timed += 1
+
+    for i, (b, ctx) in enumerate(plan):
+        if stop.due(len(samples)) or not await stop.within(point(b, ctx), len(samples)):
+            break
         if progress:
             progress("decode", i + 1, len(plan))
     return samples, server_timed
@@ -260,9 +303,8 @@ async def transfer_stage(
         shuffle.shuffle(grid)
         plan += grid
     samples: list[fit.TransferSample] = []
-    for i, n in enumerate(plan):
-        if stop.due(len(samples)):
-            break
+
+    async def point(i: int, n: int) -> None:
         request_id = f"probe-xfer-{i}-{client.rng.getrandbits(32):08x}"
         prompt = client.prompt(n)
         params = await client.prefill_leg(peer, prompt, request_id)
@@ -274,6 +316,11 @@ async def transfer_stage(
         ttft = await client.decode_leg(pod, prompt, params, request_id)
         if ttft is not None:
             samples.append(fit.TransferSample(n, ttft))
+
+    # A point cut between its legs leaves the peer's blocks leased until the lease expires.
+    for i, n in enumerate(plan):
+        if stop.due(len(samples)) or not await stop.within(point(i, n), len(samples)):
+            break
         if progress:
             progress("transfer", i + 1, len(plan))
     return samples

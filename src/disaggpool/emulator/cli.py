@@ -1,6 +1,7 @@
 """`main(argv)`: the command line of the emulator (wired as ``disaggpool emulate``).
 
     disaggpool emulate --profile NAME|FILE [--port 8000] [--host 127.0.0.1] [--model M]
+                       [--side-channel-port 5600]
                        [--served-model-name NAME ...] [--max-model-len N] [--seed S]
                        [--kv-lease-duration 30] [--max-num-queued-reqs N] [--jitter 0.03]
                        [--startup-delay SECONDS] [--[no-]enable-prefix-caching]
@@ -9,12 +10,14 @@
 
 Flags mirror `vllm serve` where vLLM has one. The NIXL side channel is configured as in vLLM,
 by `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost; advertised as `remote_host`) and
-`VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; really listened on). `VLLM_SERVER_DEV_MODE=1`
+`VLLM_NIXL_SIDE_CHANNEL_PORT` (default 5600; really listened on); vLLM has no flag for the
+port, so `--side-channel-port` is the emulator's own and wins over the variable: a second
+emulator on one machine needs one. `VLLM_SERVER_DEV_MODE=1`
 adds vLLM's development endpoint `POST /reset_prefix_cache`; `VLLM_API_KEY` is the key when
 `--api-key` is not given, as in vLLM; `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
 (default 5 s) closes idle HTTP connections as vLLM's server does. Exit codes: 0 after a signal,
 2 bad input (the message names the flag or file and the field), 1 anything else (for example a
-port already in use).
+port already in use: the message names the setting that clashed and how to change it).
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--profile", required=True, help="built-in profile name or profile file")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    p.add_argument(
+        "--side-channel-port",
+        type=int,
+        default=None,
+        help="port of the NIXL side channel decode pods pull KV through (default: "
+        "$VLLM_NIXL_SIDE_CHANNEL_PORT, as vLLM reads it, else 5600); a second emulator on one "
+        "machine needs its own; 0 picks a free one. The host is $VLLM_NIXL_SIDE_CHANNEL_HOST "
+        "(default localhost)",
+    )
     p.add_argument("--model", default="", help="model path or name (default: the profile's)")
     p.add_argument(
         "--served-model-name",
@@ -114,7 +126,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     """Resolve the profile and the side-channel environment; raises `InputError`."""
     profile = resolve_profile(args.profile)
-    host, port = side_channel_from_env()
+    host, port = side_channel_from_env(port_flag=args.side_channel_port)
     return EmulatorConfig(
         profile=profile,
         model=args.model,

@@ -21,6 +21,7 @@ from disaggpool.pdwire import VLLM_KEEP_ALIVE_S
 __all__ = [
     "DEFAULT_MODEL",
     "EmulatorConfig",
+    "cannot_listen",
     "dev_mode_from_env",
     "keep_alive_from_env",
     "side_channel_from_env",
@@ -51,20 +52,38 @@ def keep_alive_from_env(env: Mapping[str, str] | None = None) -> float:
     return float(seconds)
 
 
-def side_channel_from_env(env: Mapping[str, str] | None = None) -> tuple[str, int]:
-    """vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost) and `_PORT` (default 5600)."""
+def side_channel_from_env(
+    env: Mapping[str, str] | None = None, *, port_flag: int | None = None
+) -> tuple[str, int]:
+    """vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST` (default localhost) and `_PORT` (default 5600).
+
+    `port_flag` is `--side-channel-port`: vLLM has no flag for the port, only the variable, so
+    the emulator keeps the variable and lets its own flag, when given, win over it.
+    """
     env = os.environ if env is None else env
     host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
-    raw = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    if port_flag is not None:
+        source, raw = "--side-channel-port", str(port_flag)
+    else:
+        source, raw = "VLLM_NIXL_SIDE_CHANNEL_PORT", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    where = "<arg>" if port_flag is not None else "<env>"
     try:
         port = int(raw)
     except ValueError:
-        raise InputError(
-            "VLLM_NIXL_SIDE_CHANNEL_PORT", "<env>", f"not an integer: {raw!r}"
-        ) from None
+        raise InputError(source, where, f"not an integer: {raw!r}") from None
     if not 0 <= port <= 65535:
-        raise InputError("VLLM_NIXL_SIDE_CHANNEL_PORT", "<env>", f"not a port: {port}")
+        raise InputError(source, where, f"not a port: {port}")
     return host, port
+
+
+def cannot_listen(errno: int | None, what: str, address: str, change: str) -> OSError:
+    """A failure (`errno`) to bind `address`, stated to name the setting and how to change it.
+
+    A bare "address already in use" leaves a user with two emulators on one machine guessing
+    which of their ports clashed (the HTTP port, the NIXL side channel, the KV events socket).
+    """
+    reason = os.strerror(errno) if errno else "cannot bind"
+    return OSError(errno, f"cannot listen on the {what} {address}: {reason}; {change}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

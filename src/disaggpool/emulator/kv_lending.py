@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.config import EmulatorConfig, cannot_listen
 from disaggpool.emulator.job import Job
 from disaggpool.emulator.kv_blocks import BlockPool, Lease, LeaseTable
 from disaggpool.emulator.kv_side_channel import SideChannelServer
@@ -64,9 +64,15 @@ class KVLender:
 
     async def start(self) -> int:
         """Listen for decode peers; returns the side channel's port."""
-        self.port = await self.side_channel.start(
-            self.config.side_channel_host, self.config.side_channel_port
-        )
+        host, port = self.config.side_channel_host, self.config.side_channel_port
+        try:
+            self.port = await self.side_channel.start(host, port)
+        except OSError as exc:
+            change = (
+                "each emulator on one machine needs its own: --side-channel-port N "
+                "(or VLLM_NIXL_SIDE_CHANNEL_PORT=N; 0 picks a free port)"
+            )
+            raise cannot_listen(exc.errno, "NIXL side channel", f"{host}:{port}", change) from exc
         return self.port
 
     async def close(self) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
+from disaggpool.emulator.config import cannot_listen
 from disaggpool.formats.kv_events import (
     END_SEQ,
     BlockStored,
@@ -96,12 +97,21 @@ class KVEventPublisher:
         self.silenced = False
 
     def _bind(self, sock: zmq.asyncio.Socket, endpoint: str) -> str:
-        if endpoint.startswith("tcp://*:"):  # the emulator listens on its --host only
-            sock.bind(f"tcp://{self.host}:{endpoint.removeprefix('tcp://*:')}")
-            bound = sock.getsockopt(zmq.LAST_ENDPOINT)
-            return bound.decode() if isinstance(bound, bytes) else str(bound)
-        sock.bind(endpoint)
-        return endpoint
+        wildcard = endpoint.startswith("tcp://*:")  # the emulator listens on its --host only
+        local = f"tcp://{self.host}:{endpoint.removeprefix('tcp://*:')}" if wildcard else endpoint
+        try:
+            sock.bind(local)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)  # else the context's term() in close() waits for it forever
+            change = (
+                "give each emulator its own endpoint and replay_endpoint in --kv-events-config "
+                "(port 0 picks a free one)"
+            )
+            raise cannot_listen(exc.errno, "KV events endpoint", local, change) from exc
+        if not wildcard:
+            return endpoint
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+        return bound.decode() if isinstance(bound, bytes) else str(bound)
 
     def start(self) -> None:
         pub = self._ctx.socket(zmq.PUB)

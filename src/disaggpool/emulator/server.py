@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from disaggpool.emulator import requests, responses
-from disaggpool.emulator.config import EmulatorConfig
+from disaggpool.emulator.config import EmulatorConfig, cannot_listen
 from disaggpool.emulator.errors import ApiError, error_body
 from disaggpool.emulator.instance import EmulatorInstance
 from disaggpool.emulator.job import Done, Failed, Job, Tokens
@@ -383,14 +383,22 @@ async def serve(config: EmulatorConfig) -> RunningEmulator:
         # Like vLLM loading weights: nothing listens yet, so probes get "connection refused".
         await asyncio.sleep(config.startup_delay)
     instance = EmulatorInstance(config)
-    await instance.start()
+    try:
+        await instance.start()
+    except BaseException:
+        await instance.close()  # whatever did start (a KV events socket) is let go
+        raise
     runner = web.AppRunner(
         build_app(instance), access_log=None, keepalive_timeout=config.http_keep_alive
     )
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            address, change = f"{config.host}:{config.port}", "choose another with --port"
+            raise cannot_listen(exc.errno, "HTTP port", address, change) from exc
     except BaseException:
         with contextlib.suppress(Exception):
             await runner.cleanup()

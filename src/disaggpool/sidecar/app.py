@@ -40,6 +40,12 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _joined(host: str, port: int) -> str:
+    """`host:port` as a client dials it (IPv6 in brackets; no host: every IPv4 interface)."""
+    host = host or "0.0.0.0"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclasses.dataclass
 class RunningSidecar:
     service: RoutingService
@@ -134,11 +140,11 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     if pool_writer is not None:
         supervisor.periodic("pool_writer", pool_writer.step, pool_writer.period_s)
     log.info(
-        "sidecar up on %s: policy %s, HTTP front door on :%d, gRPC on :%d",
+        "sidecar up on %s: policy %s, HTTP front door on http://%s, gRPC on %s",
         type(asyncio.get_running_loop()).__module__.split(".")[0],  # asyncio or uvloop
         config.policy,
-        http_port,
-        grpc_port,
+        _joined(host, http_port),
+        _joined(ghost, grpc_port),
     )
     return RunningSidecar(
         service,

@@ -171,6 +171,7 @@ class SidecarConfig:
     max_model_len: int = 0  # 0: each pod's own, read from its /v1/models
     forward_client_priority: bool = False
     debug_errors: bool = False
+    served_by_headers: bool = False  # answers name the pods that served them (pod names only)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     grpc: GrpcConfig = dataclasses.field(default_factory=GrpcConfig)
     # An idle pooled connection to a pod is reused only this long: keep it below the pods'
@@ -228,6 +229,7 @@ _TOP = {
     "max_model_len",
     "forward_client_priority",
     "debug_errors",
+    "served_by_headers",
     "auth",
     "grpc",
     "upstream_keepalive_s",
@@ -302,7 +304,7 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["max_body_bytes"] = rd.integer(top["max_body_bytes"], "max_body_bytes", minimum=1024)
     if "max_model_len" in top:
         kwargs["max_model_len"] = rd.integer(top["max_model_len"], "max_model_len", minimum=0)
-    for key in ("forward_client_priority", "debug_errors"):
+    for key in ("forward_client_priority", "debug_errors", "served_by_headers"):
         if key in top:
             kwargs[key] = rd.boolean(top[key], key)
     kwargs["upstream_timeouts"] = _timeouts(rd, top)

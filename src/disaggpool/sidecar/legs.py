@@ -50,7 +50,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disaggpool.pdwire import prefill_leg_params
+from disaggpool.pdwire import DECODE_POD_HEADER, PREFILL_POD_HEADER, prefill_leg_params
 from disaggpool.sidecar.openai_errors import openai_error, refused
 from disaggpool.sidecar.service import Routed, RoutingService, ServiceError
 
@@ -252,6 +252,13 @@ class Legs:
     ) -> web.StreamResponse:
         rid, pod = routed.request_id, routed.decode
         assert pod is not None, "the decode pod is bound before the decode leg"
+        # With `served_by_headers`, which pods served it, for a client scoring results per pod
+        # (`loadgen --json`); no prefill pod on the local path, where the decode pod prefilled.
+        served: dict[str, str] = {}
+        if self.config.served_by_headers:
+            served[DECODE_POD_HEADER] = pod.name
+            if routed.prefill is not None:
+                served[PREFILL_POD_HEADER] = routed.prefill.name
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         stream = bool(body.get("stream"))
         deadline = asyncio.get_running_loop().time() + self.timeouts.total_s
@@ -277,14 +284,16 @@ class Legs:
                 raw = await self._read_whole(pod.name, up, deadline)
                 complete = True
                 self._finish_whole(routed, raw, started)
-                return web.Response(body=raw, status=200, content_type="application/json")
+                return web.Response(
+                    body=raw, status=200, content_type="application/json", headers=served
+                )
             content_type = up.headers.get("Content-Type", "text/event-stream")
             lines = self._sse_lines(pod.name, up, deadline)
             first = await anext(lines, None)
             if first is None:
                 raise UpstreamFailed(pod.name, "a stream that ended before its first event")
             # Only now does the client's response start: every failure before it was retryable.
-            response = web.StreamResponse(headers={"Content-Type": content_type})
+            response = web.StreamResponse(headers={"Content-Type": content_type, **served})
             await response.prepare(request)
             await self._relay(first, lines, response, routed, started)
             complete = True
