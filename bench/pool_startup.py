@@ -64,7 +64,7 @@ def _time_pool(
             out["calibrated_s"] = time.monotonic() - t0
         time.sleep(0.5)
     out["ready_s"] = out.get("ready_s", out["calibrated_s"])
-    # What a user sees at that moment (README, "Install on Kubernetes").
+    # What a user sees at that moment (docs/install.md).
     shown = {
         "kubectl get dpool": node.kubectl("get", "dpool", "-n", "default", name),
         "kubectl get pods": node.kubectl(

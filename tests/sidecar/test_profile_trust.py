@@ -225,10 +225,10 @@ def _write_raw(path: Path, profile: CalibrationProfile) -> None:
 def test_a_zero_profile_file_is_refused_and_every_request_answered(
     start_pool, start_sidecar
 ) -> None:
-    """Issue #36: a profile with zero decode constants was accepted as `good`, and with two
-    decode pods every request got a 500 (ZeroDivisionError in the calibrated policy). Now the
-    collector refuses it, naming the field; the pod is scored with the median trusted profile;
-    every request is answered; a valid file brings the pod back."""
+    """A profile file with zero decode constants, with two decode pods (where the calibrated
+    policy would divide by zero): the collector refuses it, naming the field; the pod is scored
+    with the median trusted profile; every request is answered; a valid file brings the pod
+    back."""
     pool = start_pool([A40], [A40, A40])
     sc = start_sidecar(pool)
     service = sc.running.service

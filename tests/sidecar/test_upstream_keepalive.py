@@ -94,7 +94,7 @@ def test_no_leg_is_sent_on_a_connection_idle_past_the_keepalive(start_pool, star
         assert sum(r.dropped for r in relays.values()) == 0
 
         # The relay does bite: a sidecar pooling connections longer than the pods do loses a
-        # request to the close (what the old fixed 60 s did).
+        # request to the close (as a fixed 60 s would).
         stale = start_sidecar(pool, upstream_keepalive_s=30.0, **common)
         post(f"{stale.url}/v1/completions", {"prompt": "warm", "max_tokens": 2})
         time.sleep(0.9)

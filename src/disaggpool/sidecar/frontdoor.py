@@ -73,7 +73,7 @@ class FrontDoor:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/health", self._readyz)  # the name earlier versions probed
+        app.router.add_get("/health", self._readyz)  # where probes written for vLLM look
         app.router.add_get("/metrics", self._metrics)
         app.on_response_prepare.append(self._close_when_draining)
         return app
