@@ -106,6 +106,7 @@ def test_demo_command_defaults_to_the_azure_pool_and_policies() -> None:
     cfg = config_from_args(_demo_args())
     assert (cfg.trace, cfg.prefix, cfg.policies) == ("azure", False, DEMO_POLICIES)
     assert cfg == DemoConfig()
+    assert config_from_args(_demo_args("--min-pods-per-role", "1")).min_pods_per_role == 1
 
 
 def test_trace_mooncake_brings_its_pool_policies_and_prefix_caching() -> None:
@@ -144,7 +145,13 @@ def test_the_demo_runs_the_placement_that_carries_most_at_round_robins_point() -
     cfg = DemoConfig(duration_s=20.0)
     base, slo = demo_trace(seed=0)
     placed = placed_pool(cfg, base, slo)
-    assert len(placed.searched) == len(cfg.placements) == 10
+    # Every placement giving each role two boards: 4 of the 10.
+    assert len(placed.searched) == len(cfg.placements) == 4
+    assert all(len(p) >= 2 and len(d) >= 2 for p, d in cfg.placements)
+    # With one board a role allowed, every placement is searched.
+    assert len(DemoConfig(min_pods_per_role=1).placements) == 10
+    with pytest.raises(ValueError, match="min_pods_per_role"):
+        DemoConfig(min_pods_per_role=0)
     assert placed.rate == pytest.approx(max(placed.searched.values()), abs=1e-3)
     assert placed.searched[placed.chosen] == pytest.approx(placed.rate, abs=1e-3)
     roles = [role for role, _ in placed.pods.values()]

@@ -6,9 +6,11 @@
    one), 64 sequences each, prefix caching off (every policy replays the same prompts on the same
    pods; cached, the later replays would prefill nothing). Which boards prefill and which decode
    is chosen as the paper run chooses its split (`placed_pool`, `sim.placement`): for every
-   assignment of the boards to the two roles, the simulator finds the rate at which round-robin
-   attains 0.85 goodput on the demo's trace, and the assignment carrying the most traffic runs
-   (ties to more decode pods). It is chosen on the true profiles before any pod starts, without
+   assignment of the boards to the two roles that gives each role at least two of them
+   (`--min-pods-per-role`: a role with one pod has no routing decision to make, and the demo
+   compares routing), the simulator finds the rate at which round-robin attains 0.85 goodput on
+   the demo's trace, and the assignment carrying the most traffic runs (ties to more decode
+   pods). It is chosen on the true profiles before any pod starts, without
    looking at any other policy: a pool fixed in advance can be the wrong one for the trace (1
    prefill + 3 decode of these boards is prefill-bound on it and carries 2.5 times less).
    `DemoConfig.prefill_speeds`/`decode_speeds` fix a pool instead.

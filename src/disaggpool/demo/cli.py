@@ -11,6 +11,7 @@ import signal
 from typing import Any
 
 from disaggpool.demo.design import (
+    MIN_PODS_PER_ROLE,
     MOONCAKE_DECODE_SPEEDS,
     MOONCAKE_POLICIES,
     MOONCAKE_PREFILL_SPEEDS,
@@ -40,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         policies=policies,
         seed=args.seed,
         trace=args.trace,
+        min_pods_per_role=args.min_pods_per_role,
         **pool,
     )
 
@@ -71,6 +73,13 @@ def register(sub: Any) -> None:
         "--policies",
         help=f"comma-separated (default {','.join(POLICIES)}; "
         f"with --trace mooncake {','.join(MOONCAKE_POLICIES)})",
+    )
+    p.add_argument(
+        "--min-pods-per-role",
+        type=int,
+        default=MIN_PODS_PER_ROLE,
+        help=f"the fewest boards the placement search gives either role (default "
+        f"{MIN_PODS_PER_ROLE}: both legs have a routing decision; 1 searches every placement)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")

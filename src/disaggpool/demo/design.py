@@ -29,6 +29,7 @@ from disaggpool.sim.runner import RunSpec
 __all__ = [
     "BOARDS",
     "DECODE_SPEEDS",
+    "MIN_PODS_PER_ROLE",
     "MOONCAKE_DECODE_SPEEDS",
     "MOONCAKE_POLICIES",
     "MOONCAKE_PREFILL_SPEEDS",
@@ -49,6 +50,11 @@ POLICIES = ("calibrated", "round_robin", "least_loaded", "length")
 # The demo's four boards, as speeds relative to the A40: two nominal, a throttled one and a
 # faster one. Which of them prefill and which decode is the placement search's choice.
 BOARDS = (1.0, 1.0, 0.55, 1.25)
+# The fewest boards the placement search gives either role. The demo compares routing, and a
+# role with one pod has no routing decision to make: on the search's unrestricted pick (3
+# prefill + 1 decode) only the prefill leg is routed, and ten fresh 30 s runs told no policy
+# apart (docs/results/demo.md). 1 searches every placement.
+MIN_PODS_PER_ROLE = 2
 DECODE_SPEEDS = (1.0, 0.55, 1.25)  # the decode boards of a fixed 1 + 3 pool (the peers bench)
 TRACES = ("azure", "mooncake")
 # --trace mooncake: the pool (prefix placement needs two prefill pods, one faster) and the
@@ -84,6 +90,8 @@ class DemoConfig:
     prefill_speeds: tuple[float, ...] | None = None
     decode_speeds: tuple[float, ...] | None = None
     trace: str = "azure"  # or "mooncake": prefix caching on, prefix index in every sidecar
+    # The fewest boards the placement search gives either role (at most half the boards).
+    min_pods_per_role: int = MIN_PODS_PER_ROLE
 
     def __post_init__(self) -> None:
         if (self.prefill_speeds is None) != (self.decode_speeds is None):
@@ -94,6 +102,8 @@ class DemoConfig:
                 raise ValueError(f"{field} must be positive, got {speeds}")
         if len(self.boards) < 2:
             raise ValueError(f"boards: a pool needs at least two, got {self.boards}")
+        if self.min_pods_per_role < 1:
+            raise ValueError(f"min_pods_per_role must be >= 1, got {self.min_pods_per_role}")
         if self.trace not in TRACES:
             raise ValueError(f"trace must be one of {', '.join(TRACES)}, got {self.trace!r}")
         if self.sim_seeds < 2:
@@ -103,10 +113,16 @@ class DemoConfig:
 
     @property
     def placements(self) -> list[Placement]:
-        """The pools to choose from: the fixed one, or every placement of the boards."""
+        """The pools to choose from: the fixed one, or every placement of the boards that gives
+        each role at least `min_pods_per_role` of them (or half of them, if there are fewer)."""
         if self.prefill_speeds is not None and self.decode_speeds is not None:
             return [(self.prefill_speeds, self.decode_speeds)]
-        return placements(self.boards)
+        least = min(self.min_pods_per_role, len(self.boards) // 2)
+        return [
+            (prefill, decode)
+            for prefill, decode in placements(self.boards)
+            if min(len(prefill), len(decode)) >= least
+        ]
 
     @property
     def prefix(self) -> bool:
