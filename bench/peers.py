@@ -5,9 +5,9 @@ Goodput
 A fixed pool of the demo's boards (`disaggpool.demo.design`, `DECODE_SPEEDS`): 1 prefill + 3 decode
 emulator processes of Llama-3-8B on an A40, the decode boards at 1.0x, 0.55x and 1.25x speed,
 timed by hidden true profiles, where the routers differ in where each request decodes. Or, with
-`--pool placed`, the demo's own pool: its four boards placed by its split search (the placement
-that carries the most traffic at round-robin's 0.85 point, 3 prefill + 1 decode on this trace),
-where they differ in which prefill pod takes each prompt. Every pod calibrated by the probe
+`--pool placed`, the demo's four boards placed by its split search over every placement (the one
+that carries the most traffic at round-robin's 0.85 point, 3 prefill + 1 decode on this trace; the
+demo itself gives each role two boards), where they differ in which prefill pod takes each prompt. Every pod calibrated by the probe
 (`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
 trace (Azure 2023 conversation lengths, Gamma CV 3 arrivals) at the rate where round-robin
 attains 0.85 goodput in the simulator, `--duration` seconds of it, replayed by `disaggpool
@@ -439,8 +439,8 @@ def measure(
             cfg = DemoConfig(
                 duration, seed=seed, prefill_speeds=(1.0,), decode_speeds=DECODE_SPEEDS
             )
-        else:  # the demo's boards, placed by its split search
-            cfg = DemoConfig(duration, seed=seed)
+        else:  # the demo's boards, placed by its split search over every placement
+            cfg = DemoConfig(duration, seed=seed, min_pods_per_role=1)
         ours, theirs = (QUICK_OURS, QUICK_THEIRS) if quick else (OURS, THEIRS)
         doc["goodput"] = measure_goodput(cfg, ours, theirs, router)
         doc["rows"] = doc["goodput"]["rows"]
