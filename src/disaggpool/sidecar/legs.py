@@ -54,7 +54,7 @@ from disaggpool.pdwire import DECODE_POD_HEADER, PREFILL_POD_HEADER, prefill_leg
 from disaggpool.sidecar.openai_errors import openai_error, refused
 from disaggpool.sidecar.service import Routed, RoutingService, ServiceError
 
-__all__ = ["MAX_SSE_LINE", "Legs", "UpstreamFailed"]
+__all__ = ["MAX_SSE_LINE", "Legs", "UpstreamFailed", "tokens_in"]
 
 log = logging.getLogger("disaggpool.sidecar.frontdoor")
 
@@ -374,7 +374,7 @@ class Legs:
                     tpot = (last - first_at) / (out - 1) if out > 1 else 0.0
                     self._finished(routed, out, (first_at or time.monotonic()) - t0, tpot)
                 else:
-                    n, usage = _tokens_in(payload)
+                    n, usage = tokens_in(payload)
                     if usage is not None:
                         usage_tokens = usage
                     if n:
@@ -453,7 +453,7 @@ def _too_long(pod: str) -> UpstreamFailed:
     return UpstreamFailed(pod, f"an event line over {MAX_SSE_LINE} bytes", blame_pod=False)
 
 
-def _tokens_in(payload: bytes) -> tuple[int, int | None]:
+def tokens_in(payload: bytes) -> tuple[int, int | None]:
     """(tokens carried by one SSE event, usage.completion_tokens if it has usage)."""
     try:
         event = json.loads(payload)
