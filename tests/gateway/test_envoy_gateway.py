@@ -255,3 +255,58 @@ def test_the_picker_down_or_refusing_envoy_is_a_500(gateway_pool, tmp_path) -> N
         assert metric(sc.url, "disaggpool_auth_failures_total", port="ext_proc") >= 1
     finally:
         sc.stop()
+
+
+def test_a_destination_that_refuses_is_envoys_503_booked_failed(tmp_path) -> None:
+    """`gateway.destination_port` names a port nothing listens on (no pd-proxy beside the pod):
+    the picker, which scrapes the pod on its own port, routes; Envoy cannot connect."""
+    pool = start_pool(tmp_path, [A40], [A40])
+    sc = SidecarThread(sidecar_config(pool, gateway={"destination_port": free_port()})).start()
+    try:
+        with running_envoy(tmp_path, epp_port=sc.running.ext_proc_port) as envoy:
+            status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and b"upstream connect error" in raw
+        _idle(sc)
+        assert metric(sc.url, "disaggpool_requests_total", outcome="failed") == 1
+        assert metric(sc.url, "disaggpool_epp_responses_total", code="503") == 1
+    finally:
+        sc.stop()
+        pool.stop()
+
+
+def test_a_client_that_leaves_mid_stream_is_booked_aborted(gateway_pool, tmp_path) -> None:
+    import http.client
+
+    pool, recorders = gateway_pool
+    sc = _sidecar(pool, recorders)
+    try:
+        with running_envoy(tmp_path, epp_port=sc.running.ext_proc_port) as envoy:
+            port = int(envoy.url.rpartition(":")[2])
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            body = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            assert resp.status == 200
+            assert resp.readline().startswith(b"data: ")  # decoding
+            assert sc.call(lambda: sc.running.service.inflight) == 1
+            conn.close()
+            _idle(sc)
+        assert metric(sc.url, "disaggpool_requests_total", outcome="aborted") == 1
+    finally:
+        sc.stop()
+
+
+def test_large_bodies_pass_in_chunks_and_too_large_ones_are_413(gateway_pool, tmp_path) -> None:
+    pool, recorders = gateway_pool
+    sc = _sidecar(pool, recorders, max_body_bytes=1024 * 1024)
+    try:
+        with running_envoy(tmp_path, epp_port=sc.running.ext_proc_port) as envoy:
+            prompt = ("lorem" * 200 + " ") * 300  # 300 KB in 300 tokens: five chunks back
+            status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": prompt, "max_tokens": 2})
+            assert status == 200, raw
+            assert json.loads(raw)["usage"]["prompt_tokens"] >= 300  # the pod read it whole
+            status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": "x" * 2_000_000})
+            assert status == 413 and json.loads(raw)["error"]["param"] == "body"
+    finally:
+        sc.stop()
