@@ -286,13 +286,14 @@ class _Recorder(BaseHTTPRequestHandler):
     pod, or a model server whose received headers a test reads)."""
 
     answer: ClassVar[dict[str, Any]] = {}
+    status: ClassVar[int] = 200
     seen: ClassVar[list[tuple[str, dict[str, str], bytes]]] = []
 
     def _reply(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         self.seen.append((self.path, dict(self.headers), self.rfile.read(length)))
         body = json.dumps(self.answer).encode()
-        self.send_response(200)
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -307,7 +308,7 @@ class _Recorder(BaseHTTPRequestHandler):
 @pytest.fixture
 def recorder() -> Iterator[tuple[str, type[_Recorder]]]:
     """(its host:port, the handler class holding what it saw)."""
-    _Recorder.seen = []
+    _Recorder.seen, _Recorder.status, _Recorder.answer = [], 200, {}
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"127.0.0.1:{server.server_address[1]}", _Recorder
@@ -375,3 +376,70 @@ def test_the_header_never_reaches_the_model_server(
     assert decode["max_tokens"] == 4 and decode["prompt"] == PROMPT
     assert decode["kv_transfer_params"]["remote_engine_id"] == p.config.engine_id
     assert decode["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "reason"),
+    [(503, {"error": {"message": "busy"}}, "server_error"), (200, {"id": "x"}, "bad_answer")],
+)
+def test_a_failing_prefill_answer_moves_on(
+    pair: Any,
+    start_proxy: Any,
+    recorder: tuple[str, type[_Recorder]],
+    status: int,
+    answer: dict[str, Any],
+    reason: str,
+) -> None:
+    p, d = pair
+    proxy = start_proxy(d.url)
+    broken, handler = recorder
+    handler.status, handler.answer = status, answer
+    got, _, raw = post(
+        f"{proxy.url}/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 2},
+        {HEADER: f"{broken},{host_port(p.url)}"},
+    )
+    assert got == 200, raw
+    assert len(handler.seen) == 1 and transfers(d.url) == 1
+    assert metric(proxy.url, "disaggpool_pd_proxy_prefill_fallbacks_total", reason=reason,
+                  to="next_host") == 1  # fmt: skip
+
+
+class _CutStream(BaseHTTPRequestHandler):
+    """A model server whose stream dies after one event (a vLLM killed mid-answer)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"id": "cmpl-1", "choices": [{"text": "one"}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.close_connection = True  # no last chunk: the stream is cut
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_stream_cut_midway_ends_with_an_error_event(start_proxy: Any) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proxy = start_proxy(f"http://127.0.0.1:{server.server_address[1]}")
+        status, _, raw = post(
+            f"{proxy.url}/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 200
+    events = sse_events(raw)
+    assert json.loads(events[0])["choices"][0]["text"] == "one"  # what came, passed on
+    assert json.loads(events[1])["error"]["code"] == 502
+    assert events[2] == "[DONE]" and len(events) == 3
+    assert metric(proxy.url, "disaggpool_pd_proxy_decode_legs_total", kv="local",
+                  outcome="stream_failed") == 1  # fmt: skip
