@@ -310,3 +310,47 @@ def test_health_answers_for_liveness_readiness_and_the_service(pool, start_sidec
     for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
         answer = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def test_request_trailers_end_the_body_and_are_answered_last(pool, start_sidecar) -> None:
+    sc = start_sidecar(pool)
+    with Exchange(sc.running.ext_proc_target) as ex:
+        ex.send(headers_message(post_headers()))
+        ex.send(body_message(completion_body(), False))
+        ex.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        kinds = [ex.read() for _ in range(3)]
+    assert [k.WhichOneof("response") for k in kinds] == [
+        "request_headers",
+        "request_body",
+        "request_trailers",
+    ]
+    streamed = kinds[1].request_body.response.body_mutation.streamed_response
+    assert json.loads(streamed.body)["prompt"] and not streamed.end_of_stream  # trailers end it
+
+
+def test_a_body_mode_that_cannot_carry_a_decision_is_refused_as_such(pool, start_sidecar) -> None:
+    sc = start_sidecar(pool)
+    streamed = 1  # ProcessingMode.STREAMED: header changes after the headers answer are lost
+    with Exchange(sc.running.ext_proc_target) as ex:
+        ex.send(headers_message(post_headers(), mode=streamed))
+        refused = _immediate(ex)
+    assert refused.status.code == 500 and b"FULL_DUPLEX_STREAMED or BUFFERED" in refused.body
+
+
+def test_readiness_follows_draining_and_liveness_stays(pool, start_sidecar) -> None:
+    sc = start_sidecar(pool)
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(sc.running.ext_proc_target))
+
+    def status(name: str) -> int:
+        return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+    sc.call(lambda: setattr(sc.running.service, "draining", True))
+    deadline = time.monotonic() + 5
+    while status("readiness") == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "readiness never followed draining"
+        time.sleep(0.05)
+    assert (
+        status("envoy.service.ext_proc.v3.ExternalProcessor")
+        != health_pb2.HealthCheckResponse.SERVING
+    )
+    assert status("liveness") == health_pb2.HealthCheckResponse.SERVING

@@ -194,6 +194,7 @@ class _Exchange:
         self.headers = _header_map(h)
         path = self.headers.get(":path", "").partition("?")[0]
         method = self.headers.get(":method", "")
+        self.endpoint = _ENDPOINTS.get(path, "") if method == "POST" else ""
         keys = self.picker.keys
         # Every request through the gateway needs a key (the probes are not served here).
         if self.config.auth.api_keys_file and not bearer_ok(
@@ -211,7 +212,6 @@ class _Exchange:
             # could reach Envoy. A configuration error, said as such.
             raise _Refused(500, "the gateway's ext_proc request_body_mode must be "
                            "FULL_DUPLEX_STREAMED or BUFFERED")  # fmt: skip
-        self.endpoint = _ENDPOINTS.get(path, "") if method == "POST" else ""
         if not self.endpoint:
             return [self._not_generation(method, path)]
         if self.picker.admitted >= self.config.max_inflight:
