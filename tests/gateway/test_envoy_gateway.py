@@ -61,6 +61,11 @@ def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[i
         return exc.code, exc.read()
 
 
+def _envoy_stat(admin: str, name: str) -> int:
+    text = urllib.request.urlopen(f"{admin}/stats?filter=^{name}$", timeout=10).read().decode()
+    return int(text.strip().rpartition(": ")[2])
+
+
 def _idle(sc: SidecarThread, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while sc.call(lambda: sc.running.service.inflight):
@@ -147,6 +152,7 @@ def test_calibrated_steers_away_from_the_slow_pod_and_the_books_match_envoy(
                 return statuses
 
             assert asyncio.run(waves()) == [200] * 48
+            served_by_envoy = _envoy_stat(envoy.admin, "cluster.pool.upstream_rq_2xx")
         _idle(sc)
         served = {n: r.seen[before[n] :] for n, r in recorders.items()}
         decided = {
@@ -165,6 +171,7 @@ def test_calibrated_steers_away_from_the_slow_pod_and_the_books_match_envoy(
             metric(sc.url, "disaggpool_requests_total", outcome=o) for o in ("met", "missed")
         )
         assert finished == 48 == metric(sc.url, "disaggpool_epp_responses_total", code="200")
+        assert served_by_envoy == 48  # Envoy's own count of answers from the pool
     finally:
         sc.stop()
 
@@ -308,5 +315,29 @@ def test_large_bodies_pass_in_chunks_and_too_large_ones_are_413(gateway_pool, tm
             assert json.loads(raw)["usage"]["prompt_tokens"] >= 300  # the pod read it whole
             status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": "x" * 2_000_000})
             assert status == 413 and json.loads(raw)["error"]["param"] == "body"
+    finally:
+        sc.stop()
+
+
+def test_beyond_max_inflight_is_429_through_envoy(gateway_pool, tmp_path) -> None:
+    import http.client
+
+    pool, recorders = gateway_pool
+    sc = _sidecar(pool, recorders, max_inflight=1)
+    try:
+        with running_envoy(tmp_path, epp_port=sc.running.ext_proc_port) as envoy:
+            port = int(envoy.url.rpartition(":")[2])
+            held = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            body = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            held.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = held.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")
+            status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 429 and json.loads(raw)["error"]["type"] == "RateLimitError"
+            held.close()
+            _idle(sc)
+            status, raw = _post(f"{envoy.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 200, raw
     finally:
         sc.stop()
