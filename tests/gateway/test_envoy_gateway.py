@@ -341,3 +341,33 @@ def test_beyond_max_inflight_is_429_through_envoy(gateway_pool, tmp_path) -> Non
             assert status == 200, raw
     finally:
         sc.stop()
+
+
+def test_buffered_mode_through_envoy(gateway_pool, tmp_path) -> None:
+    pool, recorders = gateway_pool
+    sc = _sidecar(pool, recorders)
+    try:
+        with running_envoy(
+            tmp_path, epp_port=sc.running.ext_proc_port, body_mode="BUFFERED"
+        ) as envoy:
+            before = {n: len(r.seen) for n, r in recorders.items()}
+            steer = {"x-gateway-destination-endpoint": "10.0.0.1:1"}
+            status, raw = _post(f"{envoy.url}/v1/completions",
+                                {"prompt": "hi " * 20, "max_tokens": 3}, steer)  # fmt: skip
+            assert status == 200, raw
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "stream": True}  # fmt: skip
+            status, raw = _post(f"{envoy.url}/v1/chat/completions", chat)
+            assert status == 200 and raw.decode().rstrip().endswith("data: [DONE]")
+        got = {n: r.seen[before[n] :] for n, r in recorders.items()}
+        assert sum(len(s) for s in got.values()) == 2
+        for name, seen in got.items():
+            for _, headers in seen:
+                assert headers["x-gateway-destination-endpoint"] == recorders[name].address
+        _idle(sc)
+        finished = sum(
+            metric(sc.url, "disaggpool_requests_total", outcome=o) for o in ("met", "missed")
+        )
+        assert finished == 2
+    finally:
+        sc.stop()

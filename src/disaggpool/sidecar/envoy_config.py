@@ -50,10 +50,14 @@ def envoy_config(
     route_timeout_s: float = 600.0,
     health_check: bool = True,
     subset_hint: Sequence[str] | None = None,
+    body_mode: str = "FULL_DUPLEX_STREAMED",
 ) -> dict[str, Any]:
     """The Envoy bootstrap (module docstring). `route_timeout_s`: the longest answer, keep it
     at the sidecar's `upstream_timeouts.total_s` (Envoy's own default of 15 s would cut long
-    generations)."""
+    generations). `body_mode`: ``BUFFERED`` also works with the picker (Envoy then holds each
+    body whole, a streamed answer included, before passing it on)."""
+    if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError(f"body_mode: FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
     grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "epp"}}
     if token:
         grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {token}"}]
@@ -66,8 +70,8 @@ def envoy_config(
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_body_mode": body_mode,
+                "response_body_mode": body_mode,
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SEND",
             },
