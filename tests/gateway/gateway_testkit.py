@@ -100,7 +100,7 @@ def headers_message(
     *,
     end: bool = False,
     mode: int = FULL_DUPLEX,
-    subset: list[str] | None = None,
+    subset: list[str] | str | None = None,
 ) -> pb.ProcessingRequest:
     """The first message of a stream, as Envoy sends it (values in `raw_value`)."""
     m = pb.ProcessingRequest(

@@ -104,6 +104,9 @@ def test_completions_and_streaming_chat_through_envoy(gateway_pool, tmp_path) ->
             assert headers["x-gateway-destination-endpoint"] == recorders[name].address
             assert headers["x-prefiller-host-port"] == pool.address("p0")
             assert headers["x-request-id"]
+            # Full duplex: Envoy drops Content-Length and sends the body chunked (docs/gateway.md).
+            assert "content-length" not in headers
+            assert headers["transfer-encoding"] == "chunked"
 
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 20}],
                     "max_tokens": 6, "stream": True}  # fmt: skip
@@ -364,6 +367,7 @@ def test_buffered_mode_through_envoy(gateway_pool, tmp_path) -> None:
         for name, seen in got.items():
             for _, headers in seen:
                 assert headers["x-gateway-destination-endpoint"] == recorders[name].address
+                assert int(headers["content-length"]) > 0  # buffered: it survives
         _idle(sc)
         finished = sum(
             metric(sc.url, "disaggpool_requests_total", outcome=o) for o in ("met", "missed")

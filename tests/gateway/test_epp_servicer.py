@@ -189,9 +189,10 @@ def test_bad_requests_name_the_field(pool, start_sidecar, body, status, param) -
 
 def test_the_subset_hint_limits_the_decode_pods(pool, start_sidecar) -> None:
     sc = start_sidecar(pool)
-    for _ in range(4):
+    as_string = f"10.9.9.9:80, {pool.address('d1')}"  # a comma-separated string works too
+    for subset in ([pool.address("d1")], [pool.address("d1")], as_string, as_string):
         with Exchange(sc.running.ext_proc_target) as ex:
-            ex.send(headers_message(post_headers(), subset=[pool.address("d1")]))
+            ex.send(headers_message(post_headers(), subset=subset))
             ex.send(body_message(completion_body(), True))
             sets = set_headers(ex.read().request_headers.response.header_mutation)
             assert sets["x-gateway-destination-endpoint"] == pool.address("d1")

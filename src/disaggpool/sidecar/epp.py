@@ -30,7 +30,6 @@ door answers it, anything else 404, so no pod is reached without a decision.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -453,9 +452,9 @@ def _subset_hint(m: pb.ProcessingRequest) -> list[str] | None:
     value = ns[SUBSET_NAMESPACE].fields.get(SUBSET_KEY)
     if value is None:
         return None
-    with contextlib.suppress(AttributeError):
-        return [v.string_value for v in value.list_value.values if v.string_value]
-    return []
+    if value.WhichOneof("kind") == "string_value":  # one endpoint, or a comma-separated list
+        return [part.strip() for part in value.string_value.split(",") if part.strip()]
+    return [v.string_value for v in value.list_value.values if v.string_value]
 
 
 def _immediate(status: int, body: bytes, headers: dict[str, str]) -> pb.ProcessingResponse:
