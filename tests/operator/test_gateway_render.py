@@ -9,6 +9,7 @@ real kube-apiserver.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from disaggpool.operator.names import PoolRef
 from disaggpool.operator.observed import PodView
 from disaggpool.operator.render import render_pool, render_router_config
 from disaggpool.operator.spec import PoolSpec, parse_spec
+from disaggpool.operator.status import compute_status
 from disaggpool.sidecar.config import parse_config
 
 INFERENCE_POOL_CRD = Path(__file__).parent / "fixtures" / "inferencepool-crd.yaml"
@@ -236,3 +238,21 @@ def test_network_policies_let_the_gateway_reach_the_picker_and_the_pd_proxies() 
     pool, spec = _spec(networkPolicy={"enabled": True, "clients": clients})
     policies = _by_kind(render_pool(pool, spec), "NetworkPolicy")
     assert "hetero-gateway" not in policies and "9002" not in json.dumps(policies)
+
+
+def test_a_pool_invalid_from_its_first_version_reports_no_policy() -> None:
+    """Its status names the field (Degraded) and leaves `policy` out: an empty string there was
+    null on Kubernetes 1.20, and the whole status write was refused (test_gateway_e2e.py)."""
+    doc = load_sample("small.yaml")["spec"]
+    doc["router"]["mode"] = "gateway"
+    spec, issues = parse_spec(doc, "img")
+    assert spec is None
+    pool = PoolRef("open", "serving", "0000-uid", 1)
+    now = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
+    status = compute_status(pool, None, issues, None, [], None, 0, {}, now)
+    assert "policy" not in status
+    (cond,) = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert cond["status"] == "True" and "spec.router.grpc.tokenSecret" in cond["message"]
+    # Once a policy was reported, an invalid edit keeps it.
+    again = compute_status(pool, None, issues, None, [], None, 0, {"policy": "p2c"}, now)
+    assert again["policy"] == "p2c"
