@@ -134,8 +134,11 @@ def compute_status(
     status["pods"] = pod_states
     if spec is not None:
         status["policy"] = spec.router.policy
-    else:
-        status["policy"] = previous.get("policy", "")
+    elif previous.get("policy"):
+        status["policy"] = previous["policy"]
+    # else none: a pool invalid from its first version has no policy yet, and an empty string
+    # is no way to say so (Kubernetes 1.20 turns "" in a status merge patch into null, which
+    # the CRD's `type: string` refuses: the pool's status, Degraded included, was never written).
     # gRPC is reachable only when a token protects it (otherwise the router's loopback only).
     status["routerEndpoint"] = router_endpoint(
         pool, grpc=spec is not None and spec.router.grpc_token is not None
