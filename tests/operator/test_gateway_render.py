@@ -170,6 +170,12 @@ def test_frontdoor_mode_renders_none_of_it() -> None:
     [
         ({"mode": "gatewy"}, "router.mode", "frontdoor or gateway"),
         ({"mode": "gateway"}, "router.grpc.tokenSecret", "gateway mode"),
+        # Open without a token, but with no NetworkPolicy to fence the ports.
+        (
+            {"mode": "gateway", "grpc": {"allowUnauthenticated": True}},
+            "router.grpc.allowUnauthenticated",
+            "networkPolicy.enabled",
+        ),
     ],
 )
 def test_a_bad_mode_or_an_unauthenticated_gateway_is_refused(
@@ -251,3 +257,24 @@ def test_a_pool_invalid_from_its_first_version_reports_no_policy() -> None:
     # Once a policy was reported, an invalid edit keeps it.
     again = compute_status(pool, None, issues, None, [], None, 0, {"policy": "p2c"}, now)
     assert again["policy"] == "p2c"
+
+
+def test_a_gateway_without_a_token_is_open_only_behind_the_network_policy() -> None:
+    """For gateways that cannot send a token: the ports open on every address, the sidecar's
+    config says so in its own words (and parses), and the NetworkPolicy admits the clients."""
+    pool, spec = _spec(
+        router={"mode": "gateway", "grpc": {"allowUnauthenticated": True}},
+        networkPolicy={"enabled": True},
+    )
+    assert spec.router.grpc_exposed and spec.router.grpc_token is None
+    config = yaml.safe_load(render_router_config(pool, spec))
+    assert config["grpc"] == {"allow_unauthenticated": True}
+    assert config["listen"]["grpc"] == "0.0.0.0:50051"
+    parsed = parse_config(config, "sidecar.yaml")
+    assert parsed.ext_proc_listen == "0.0.0.0:9002" and parsed.grpc.allow_unauthenticated
+    docs = render_pool(pool, spec)
+    service = _by_kind(docs, "Service")["hetero-router"]
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 50051, 9002}
+    router_policy = _by_kind(docs, "NetworkPolicy")["hetero-router"]
+    ports = {p["port"] for rule in router_policy["spec"]["ingress"] for p in rule["ports"]}
+    assert {50051, 9002} <= ports

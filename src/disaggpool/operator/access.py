@@ -152,7 +152,7 @@ def network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     )
     clients = [dict(c) for c in n.clients] or [{"podSelector": {}}]  # none: its own namespace
     front = [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]
-    if spec.router.grpc_token is not None:
+    if spec.router.grpc_exposed:
         front.append({"protocol": "TCP", "port": ROUTER_GRPC_PORT})
     if spec.router.gateway:
         front.append({"protocol": "TCP", "port": EPP_PORT})

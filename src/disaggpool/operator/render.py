@@ -352,7 +352,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     """The sidecar's YAML config (the contract in docs/operator.md)."""
     r = spec.router
     # gRPC is opened beyond the pod's loopback only with a token every call must carry.
-    grpc_host = "0.0.0.0" if r.grpc_token else "127.0.0.1"
+    grpc_host = "0.0.0.0" if r.grpc_exposed else "127.0.0.1"
     drift = {"pool": _pool_ref(pool), "max_error": spec.calibration.max_prediction_error}
     listen = {"grpc": f"{grpc_host}:{ROUTER_GRPC_PORT}", "http": f"0.0.0.0:{ROUTER_HTTP_PORT}"}
     gateway: dict[str, Any] = {}
@@ -382,6 +382,8 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "shutdown_timeout_s": ROUTER_TERMINATION_GRACE_S - ROUTER_SHUTDOWN_DELAY_S - 5,
         **({"auth": _auth_config()} if spec.auth.api_key else {}),
         **({"grpc": {"token_file": f"{GRPC_TOKEN_DIR}/{GRPC_TOKEN_FILE}"}} if r.grpc_token else {}),
+        # No token: open by the spec's choice, behind the pool's NetworkPolicy (spec.py checks).
+        **({"grpc": {"allow_unauthenticated": True}} if r.grpc_open and not r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"gateway": gateway} if gateway else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
@@ -455,7 +457,7 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         mounts.append({"name": "grpc-token", "mountPath": GRPC_TOKEN_DIR, "readOnly": True})
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
     service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
-    if grpc is not None:  # without a token gRPC listens on the pod's loopback: nothing to expose
+    if spec.router.grpc_exposed:  # else gRPC listens on the pod's loopback: nothing to expose
         ports.insert(0, {"name": "grpc", "containerPort": ROUTER_GRPC_PORT})
         service_ports.insert(0, {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"})
     if spec.router.gateway:  # the endpoint picker's port, which the InferencePool names

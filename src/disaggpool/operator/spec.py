@@ -195,7 +195,16 @@ class RouterSpec:
     # `router.grpc.tokenSecret`: gRPC listens on every address, each call carrying this token;
     # without it gRPC listens on the pod's loopback only and the Service has no gRPC port.
     grpc_token: SecretKeyRef | None = None
+    # `router.grpc.allowUnauthenticated`: gRPC (and, in gateway mode, ext_proc) listens on every
+    # address without a token, for gateways that cannot send one on their ext_proc calls; only
+    # with `networkPolicy.enabled`, which then is the boundary (only its clients reach the ports).
+    grpc_open: bool = False
     mode: str = "frontdoor"  # ROUTER_MODES
+
+    @property
+    def grpc_exposed(self) -> bool:
+        """Whether gRPC listens beyond the pod's loopback (and the Service exposes it)."""
+        return self.grpc_token is not None or self.grpc_open
 
     @property
     def gateway(self) -> bool:
@@ -488,17 +497,19 @@ def parse_spec(
         priority_scheduling=rt.boolean("priorityScheduling", False),
         resources=rt.section("resources").data,
         grpc_token=_secret_ref(rt.section("grpc"), "tokenSecret", "token"),
+        grpc_open=rt.section("grpc").boolean("allowUnauthenticated", False),
         mode=rt.string("mode", default_mode),
     )
     if router.mode not in ROUTER_MODES:
         rt.problem("mode", f"must be frontdoor or gateway, got {router.mode!r}")
-    elif router.gateway and router.grpc_token is None:
+    elif router.gateway and not router.grpc_exposed:
         # The ext_proc port must listen beyond loopback (the gateway is another pod) and takes the
-        # gRPC port's auth, which the operator opens beyond loopback only with a token.
+        # gRPC port's auth: a token, or none behind the pool's NetworkPolicy.
         rt.problem(
             "grpc.tokenSecret",
-            "required in gateway mode: the endpoint picker's ext_proc port (9002) listens beyond "
-            "the pod's loopback and takes the gRPC port's token",
+            "required in gateway mode (or grpc.allowUnauthenticated with networkPolicy.enabled): "
+            "the endpoint picker's ext_proc port (9002) listens beyond the pod's loopback and "
+            "takes the gRPC port's token",
         )
     if router.decode_binding not in DECODE_BINDINGS:
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
@@ -553,6 +564,12 @@ def parse_spec(
 
     auth = AuthSpec(api_key=_secret_ref(spec.section("auth"), "apiKeySecret", "api-key"))
     network_policy = _network_policy(spec)
+    if router.grpc_open and not network_policy.enabled:
+        spec.problem(
+            "router.grpc.allowUnauthenticated",
+            "only with networkPolicy.enabled: without a token, the pool's NetworkPolicy is what "
+            "keeps everyone but its clients off the gRPC and ext_proc ports",
+        )
 
     if problems.problems:
         return None, [SpecIssue(p.field, p.message) for p in problems.problems]
