@@ -14,6 +14,7 @@
                          [--configmap-labels K=V,...] [--configmap-owner POOL/UID]
                          [--accept-poor]
     disaggpool operator [--namespace NS ...] [--liveness URL]      (the Kopf operator)
+    disaggpool pd-proxy --listen HOST:PORT --model-server URL [...]  (see `disaggpool pd-proxy -h`)
 
 Exit codes: 0 success, 2 bad input (the message names the file or argument and the field),
 1 anything unexpected. `calibrate` also: 3 the fit is poor (the profile is still written, with
@@ -451,9 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from disaggpool import loadgen
     from disaggpool.demo import cli as demo_cli
+    from disaggpool.pdproxy import cli as pdproxy_cli
     from disaggpool.sidecar import cli as sidecar_cli
 
     sidecar_cli.register(sub)
+    pdproxy_cli.register(sub)
     loadgen.register(sub)
     demo_cli.register(sub)
 

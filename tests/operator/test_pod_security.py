@@ -141,10 +141,17 @@ FULL = {
     "calibration": {"maxPredictionError": 0.3},
     "autoscaling": {"enabled": True},
 }
+#: Gateway mode: a pd-proxy container in every decode pod (baseline engines, restricted proxy).
+GATEWAY = {
+    "router": {"mode": "gateway", "grpc": {"tokenSecret": {"name": "grpc-token"}}},
+    "auth": {"apiKeySecret": {"name": "pool-key"}},
+    "networkPolicy": {"enabled": True, "clients": [{"namespaceSelector": {}}]},
+}
 POOLS: dict[str, tuple[str, dict[str, Any]]] = {
     "small": ("small.yaml", {}),
     "hetero": ("heterogeneous.yaml", {}),
     "full": ("small.yaml", FULL),
+    "gateway": ("heterogeneous.yaml", GATEWAY),
 }
 
 
@@ -184,7 +191,12 @@ def test_router_probe_and_engine_pods_meet_their_pod_security_level(which: str) 
                 mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
                 assert {"/home/vllm", "/tmp", "/dev/shm"} <= mounts
             else:  # baseline: not restricted (it runs as the image's user)
-                assert "runAsNonRoot" not in str(spec)
+                assert "runAsNonRoot" not in str(spec["containers"][0])
+                assert "runAsNonRoot" not in str(spec["securityContext"])
+            # Our own container in an engine pod (gateway mode) is restricted at any level.
+            for c in spec["containers"][1:]:
+                alone = {"securityContext": spec["securityContext"], "containers": [c]}
+                assert c["name"] == "pd-proxy" and restricted_violations(alone) == []
         else:
             seen.add(obj["kind"])
             assert restricted_violations(spec) == [], obj["metadata"]["name"]

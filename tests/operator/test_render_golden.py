@@ -70,7 +70,7 @@ def _check_golden(name: str, docs: Any) -> None:
     assert text == path.read_text(), f"{name} differs from its golden (DISAGGPOOL_REGEN_GOLDEN=1)"
 
 
-@pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml"])
+@pytest.mark.parametrize("sample", ["small.yaml", "heterogeneous.yaml", "gateway.yaml"])
 def test_render_pool_matches_golden(sample: str) -> None:
     pool, spec = _spec(sample)
     pods = [f"{pool.name}-prefill-a", f"{pool.name}-decode-b"]

@@ -78,4 +78,7 @@ app.kubernetes.io/component: operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, create, patch, delete]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, create, patch, delete]
 {{- end -}}

@@ -147,10 +147,12 @@ class Router:
         *,
         bind_late: bool = True,
         exclude_prefill: Collection[str] = (),
+        exclude_decode: Collection[str] = (),
     ) -> Placement:
         """Route and book `request` (module docstring, steps 1-7). `bind_late`: the caller will
         call `bind_decode` when the prefill leg answers; `exclude_prefill`: pods a retry must
-        avoid. Raises `NoCapacityError` when no pod of a role is healthy."""
+        avoid; `exclude_decode`: decode pods the caller may not use (a gateway's subset hint).
+        Raises `NoCapacityError` when no pod of a role is healthy."""
         slo = request.slo
         pred = self.predictor.predict(
             slo.name, request.prompt_tokens, self.rng, request.true_output_tokens
@@ -167,7 +169,8 @@ class Router:
             slo=slo,
             prefix_hits=hits,
         )
-        decision = self.policy.route(features, self.snapshot(now, exclude_prefill), self.rng)
+        pool = self.snapshot(now, exclude_prefill, exclude_decode)
+        decision = self.policy.route(features, pool, self.rng)
         if decision.shed:
             return Placement(features, decision)
         prefill = decision.prefill

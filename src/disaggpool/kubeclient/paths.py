@@ -26,6 +26,7 @@ _PLURALS = {
     "RoleBinding": "rolebindings",
     "DisaggPool": "disaggpools",
     "NetworkPolicy": "networkpolicies",
+    "InferencePool": "inferencepools",
 }
 
 

@@ -26,10 +26,13 @@ from disaggpool.labels import (
     POOL_LABEL,
 )
 from disaggpool.operator.names import (
+    EPP_PORT,
     KV_EVENTS_PORT,
+    PD_PROXY_PORT,
     ROUTER_GRPC_PORT,
     ROUTER_HTTP_PORT,
     PoolRef,
+    decode_selector,
     pool_labels,
     profile_configmap_name,
     service_account_name,
@@ -133,7 +136,12 @@ def network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     (its HTTP port, and the KV-event port for the router) and by the pool's other engine pods (any
     port: NIXL's side channel and the KV transfer itself, whose transport ports are not fixed);
     the router only by the configured clients; the probe by nothing. Egress is left open (engines
-    download weights, every pod reaches the API server or DNS as the cluster has it)."""
+    download weights, every pod reaches the API server or DNS as the cluster has it).
+
+    Gateway mode: the gateway is one of the clients (its Envoy pods must be among them). It
+    reaches the router's ext_proc port and the decode pods' pd-proxy port (a policy of its own,
+    selecting the InferencePool's pods); a pd-proxy reaches the prefill pods as an engine pod of
+    the pool (the engines' peer rule)."""
     n = spec.network_policy
     engines = {POOL_LABEL: pool.name, K8S_COMPONENT_LABEL: "vllm"}
     router = {POOL_LABEL: pool.name, COMPONENT_LABEL: COMPONENT_ROUTER}
@@ -144,8 +152,10 @@ def network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     )
     clients = [dict(c) for c in n.clients] or [{"podSelector": {}}]  # none: its own namespace
     front = [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]
-    if spec.router.grpc_token is not None:
+    if spec.router.grpc_exposed:
         front.append({"protocol": "TCP", "port": ROUTER_GRPC_PORT})
+    if spec.router.gateway:
+        front.append({"protocol": "TCP", "port": EPP_PORT})
 
     def policy(suffix: str, selector: dict[str, str], ingress: list[Any]) -> dict[str, Any]:
         return {
@@ -162,6 +172,13 @@ def network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
             },
         }
 
+    gateway = [
+        policy(
+            "gateway",
+            decode_selector(pool),
+            [{"from": clients, "ports": [{"protocol": "TCP", "port": PD_PROXY_PORT}]}],
+        )
+    ]
     return [
         policy(
             "engines",
@@ -174,4 +191,5 @@ def network_policies(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         ),
         policy("router", router, [{"from": clients, "ports": front}]),
         policy("probe", probe, []),
+        *(gateway if spec.router.gateway else []),
     ]

@@ -17,7 +17,8 @@ backoff). The operator serves no traffic, so its readiness probe asks the same e
 means started and alive (docs/operator.md, "Probes").
 
 Settings (environment): DISAGGPOOL_IMAGE (the image the router and probe Jobs run; the operator's
-own), DISAGGPOOL_RESYNC_SECONDS (default 60). Run with ``disaggpool operator`` (kopf run of this
+own), DISAGGPOOL_ROUTER_MODE (`router.mode` of pools that name none: frontdoor, the default, or
+gateway), DISAGGPOOL_RESYNC_SECONDS (default 60). Run with ``disaggpool operator`` (kopf run of this
 module; ``--all-namespaces`` by default). With ``--namespace`` (`watch_namespaces`) it touches
 nothing outside those namespaces (a namespaced Role in each suffices: Kopf does not scan
 namespaces or CRDs, the resync lists each namespace's pools).
@@ -57,9 +58,10 @@ DEFAULT_IMAGE = "ghcr.io/disaggpool/disaggpool:0.1.0"
 class Coalescer:
     """Per-pool dirty flags, each drained by one worker task (see the module docstring)."""
 
-    def __init__(self, kube: Kube, image: str) -> None:
+    def __init__(self, kube: Kube, image: str, mode: str = "frontdoor") -> None:
         self.kube = kube
         self.image = image
+        self.mode = mode
         self._dirty: dict[tuple[str, str], bool] = {}
         self._workers: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.passes = 0
@@ -76,7 +78,9 @@ class Coalescer:
             while self._dirty.get(key):
                 self._dirty[key] = False
                 try:
-                    result = await reconcile(self.kube, *key, default_image=self.image)
+                    result = await reconcile(
+                        self.kube, *key, default_image=self.image, default_mode=self.mode
+                    )
                     self.passes += 1
                     backoff = 1.0
                     if result.changed:
@@ -155,7 +159,9 @@ async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         # namespaced Role cannot grant it, and the names are fixed at start anyway).
         settings.scanning.disabled = True
     image = os.environ.get("DISAGGPOOL_IMAGE", DEFAULT_IMAGE)
-    _state["coalescer"] = Coalescer(Kube.from_environment(), image)
+    # An unknown mode is not refused here: every pool naming none reports it (router.mode).
+    mode = os.environ.get("DISAGGPOOL_ROUTER_MODE") or "frontdoor"
+    _state["coalescer"] = Coalescer(Kube.from_environment(), image, mode)
     period = float(os.environ.get("DISAGGPOOL_RESYNC_SECONDS", "60"))
     _state["resync"] = asyncio.create_task(_resync(period))
 

@@ -24,13 +24,17 @@ from disaggpool.labels import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
     POOL_LABEL,
+    ROLE_LABEL,
     SPEC_HASH_ANNOTATION,
 )
 
 __all__ = [
+    "EPP_PORT",
+    "PD_PROXY_PORT",
     "ROUTER_GRPC_PORT",
     "ROUTER_HTTP_PORT",
     "PoolRef",
+    "decode_selector",
     "job_name",
     "object_hash",
     "owner_reference",
@@ -46,6 +50,10 @@ __all__ = [
 
 ROUTER_GRPC_PORT, ROUTER_HTTP_PORT = 50051, 8000
 KV_EVENTS_PORT = 5557  # where prefill pods publish their KV events (vLLM's default endpoint)
+# Gateway mode (docs/gateway-kubernetes.md): the router's ext_proc port (the endpoint picker a
+# gateway calls; 9002 is the port GIE's examples give an EPP) and the decode pods' pd-proxy port,
+# the InferencePool's target port.
+EPP_PORT, PD_PROXY_PORT = 9002, 8001
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,6 +114,12 @@ def workload_name(pool: PoolRef, role: str, variant: str) -> str:
 def role_service_name(pool: PoolRef, role: str) -> str:
     """The headless Service of one role."""
     return f"{pool.name}-{role}"
+
+
+def decode_selector(pool: PoolRef) -> dict[str, str]:
+    """Labels that select exactly the pool's decode engine pods (every variant), nothing else of
+    the pool: the InferencePool's selector and the gateway NetworkPolicy's."""
+    return {POOL_LABEL: pool.name, ROLE_LABEL: "decode", K8S_COMPONENT_LABEL: "vllm"}
 
 
 def router_name(pool: PoolRef) -> str:

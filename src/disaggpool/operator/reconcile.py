@@ -71,7 +71,11 @@ _PRUNABLE = (
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
 )
+# Kinds of another project's CRD (GIE's InferencePool, gateway mode): a cluster without the CRD
+# answers 404 for the kind; it then holds none to prune, and a gateway-mode pool is told why.
+_FOREIGN = frozenset({"InferencePool"})
 # Merge patches never remove keys; these optional pod-template fields must be cleared explicitly
 # when the spec drops them (lists such as containers or env are replaced wholesale anyway).
 _CLEARABLE_POD_FIELDS = ("nodeSelector", "tolerations", "affinity")
@@ -117,7 +121,8 @@ def _update_patch(desired: Mapping[str, Any], current: Mapping[str, Any]) -> dic
 
 
 async def _apply(kube: Kube, obj: Mapping[str, Any]) -> str:
-    """Create, patch or leave one object; returns "created", "updated" or ""."""
+    """Create, patch or leave one object; returns "created", "updated", "" or, for a kind whose
+    CRD the cluster lacks (`_FOREIGN`), "missing"."""
     md = obj["metadata"]
     path = path_for(obj["apiVersion"], obj["kind"], md["namespace"], md["name"])
     current = await kube.get(path)
@@ -125,6 +130,8 @@ async def _apply(kube: Kube, obj: Mapping[str, Any]) -> str:
         try:
             await kube.create(path_for(obj["apiVersion"], obj["kind"], md["namespace"]), obj)
         except ApiError as exc:
+            if exc.status == 404 and obj["kind"] in _FOREIGN:
+                return "missing"
             if exc.status != 409:  # created concurrently: the next pass compares hashes
                 raise
             return ""
@@ -159,9 +166,11 @@ async def reconcile(
     name: str,
     *,
     default_image: str,
+    default_mode: str = "frontdoor",
     now: dt.datetime | None = None,
 ) -> ReconcileResult:
-    """Bring pool `namespace/name` to its spec; a no-op when it is gone or already there."""
+    """Bring pool `namespace/name` to its spec; a no-op when it is gone or already there.
+    `default_image`, `default_mode`: the operator's defaults (`spec.parse_spec`)."""
     result = ReconcileResult()
     scale: DecodeScale | None = None
     cr = await kube.get(pool_path(namespace, name))
@@ -174,14 +183,14 @@ async def reconcile(
     previous: Mapping[str, Any] = cr.get("status") or {}
 
     issues = check_pool_name(name)
-    spec, spec_issues = parse_spec(cr.get("spec"), default_image)
+    spec, spec_issues = parse_spec(cr.get("spec"), default_image, default_mode)
     issues += spec_issues
     result.issues = issues
     effective: PoolSpec | None = None if issues else spec
     applied_raw = annotations.get(APPLIED_SPEC_ANNOTATION)
     if issues and applied_raw:
         try:
-            effective, _ = parse_spec(json.loads(applied_raw), default_image)
+            effective, _ = parse_spec(json.loads(applied_raw), default_image, default_mode)
         except json.JSONDecodeError:
             effective = None
 
@@ -231,6 +240,14 @@ async def reconcile(
                 result.created.append(_ident(obj))
             elif outcome == "updated":
                 result.updated.append(_ident(obj))
+            elif outcome == "missing":
+                await note(
+                    "CRDMissing",
+                    f"cannot create {_ident(obj)}: the cluster does not serve "
+                    f"{obj['apiVersion']} {obj['kind']} (install the Gateway API Inference "
+                    "Extension's CRDs for router.mode gateway)",
+                    warning=True,
+                )
         result.deleted += await _prune(kube, pool, {_ident(o) for o in desired})
         for verb, idents in (
             ("Created", result.created),
@@ -303,9 +320,16 @@ async def _note_scale(scale: DecodeScale, previous: Mapping[str, Any], note: Any
 async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:
     """Delete objects of this pool that the current spec no longer renders."""
     selector = {POOL_LABEL: pool.name, **_MANAGED}
-    found = await asyncio.gather(
-        *(kube.list(path_for(v, k, pool.namespace), selector) for v, k in _PRUNABLE)
-    )
+
+    async def listed(version: str, kind: str) -> list[dict[str, Any]]:
+        try:
+            return await kube.list(path_for(version, kind, pool.namespace), selector)
+        except ApiError as exc:
+            if exc.status == 404 and kind in _FOREIGN:  # not served here: nothing to prune
+                return []
+            raise
+
+    found = await asyncio.gather(*(listed(v, k) for v, k in _PRUNABLE))
     gone = []
     for (version, kind), items in zip(_PRUNABLE, found, strict=True):
         for item in items:

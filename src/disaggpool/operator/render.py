@@ -2,7 +2,8 @@
 
 vLLM Deployments (one per role and variant) and their headless Services, the router (ConfigMap
 with the sidecar's config, Deployment, Service), and, from `access`, the ServiceAccounts/Roles of
-the router and the probe and, with `networkPolicy.enabled`, the pool's NetworkPolicies. No I/O,
+the router and the probe and, with `networkPolicy.enabled`, the pool's NetworkPolicies; in gateway
+mode (`router.mode`) also `gateway`'s InferencePool and pd-proxy containers. No I/O,
 no clock, no randomness: the same inputs give byte-identical output, which is what the
 golden-file tests in tests/operator check and what makes reconciliation idempotent. Every object
 is `names.stamp`ed: owned by the pool (deleting the pool garbage-collects it) and annotated with
@@ -12,7 +13,9 @@ Pod security: the router's and the probe's pods pass the Pod Security Standard `
 (non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, read-only
 root filesystem); the vLLM pods pass `baseline` (RuntimeDefault seccomp, no privilege
 escalation) and, with ``engine.podSecurity: restricted``, `restricted` too (non-root, with a
-writable HOME and /tmp). Only the router's and the probe's pods mount a service-account token.
+writable HOME and /tmp); a decode pod's pd-proxy container is `restricted` on its own at either
+level (`proxy_security_context`). Only the router's and the probe's pods mount a service-account
+token.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ from disaggpool.operator.access import (
     router_rules,
     watches_drift,
 )
+from disaggpool.operator.gateway import (
+    inference_pool,
+    pd_proxy_container,
+    router_gateway_config,
+    router_ports,
+)
 from disaggpool.operator.names import (
     KV_EVENTS_PORT,
     ROUTER_GRPC_PORT,
@@ -68,6 +77,7 @@ __all__ = [
     "container_security_context",
     "engine_security_contexts",
     "pod_security_context",
+    "proxy_security_context",
     "render_pool",
     "render_router_config",
 ]
@@ -106,6 +116,12 @@ def container_security_context() -> dict[str, Any]:
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def proxy_security_context() -> dict[str, Any]:
+    """A container of our own image in a vLLM pod (the pd-proxy): `restricted` by itself, since
+    the pod's level (`engine_security_contexts`) may be `baseline`."""
+    return {**pod_security_context(), **container_security_context()}
 
 
 def engine_security_contexts(level: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -246,11 +262,26 @@ def _vllm_deployment(
         "livenessProbe": _probe("/health", "http", 15, 4),
         "securityContext": container_sc,
     }
+    containers = [container]
+    if spec.router.gateway and role.role == "decode":
+        key = spec.auth.api_key
+        if key is not None:  # the key as a file, as the router reads it (rotations reach it)
+            volumes.append(_secret_volume("api-key", key.name, key.key, API_KEY_FILE))
+        containers.append(
+            pd_proxy_container(
+                spec,
+                key_file=f"{API_KEY_DIR}/{API_KEY_FILE}" if key else None,
+                key_mount=(
+                    {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True} if key else None
+                ),
+                security_context=proxy_security_context(),
+            )
+        )
     pod_spec: dict[str, Any] = {
         # vLLM calls no Kubernetes API: no service-account token in its pods.
         "automountServiceAccountToken": False,
         "securityContext": pod_sc,
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
@@ -321,15 +352,17 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     """The sidecar's YAML config (the contract in docs/operator.md)."""
     r = spec.router
     # gRPC is opened beyond the pod's loopback only with a token every call must carry.
-    grpc_host = "0.0.0.0" if r.grpc_token else "127.0.0.1"
+    grpc_host = "0.0.0.0" if r.grpc_exposed else "127.0.0.1"
     drift = {"pool": _pool_ref(pool), "max_error": spec.calibration.max_prediction_error}
+    listen = {"grpc": f"{grpc_host}:{ROUTER_GRPC_PORT}", "http": f"0.0.0.0:{ROUTER_HTTP_PORT}"}
+    gateway: dict[str, Any] = {}
+    if r.gateway:
+        extra, gateway = router_gateway_config()
+        listen |= extra
     doc = {
         "policy": r.policy,
         "model": spec.model.served_model_name,
-        "listen": {
-            "grpc": f"{grpc_host}:{ROUTER_GRPC_PORT}",
-            "http": f"0.0.0.0:{ROUTER_HTTP_PORT}",
-        },
+        "listen": listen,
         "slo_classes": [
             {"name": c.name, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s}
             | ({"sheddable": True} if c.sheddable else {})
@@ -349,7 +382,10 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         "shutdown_timeout_s": ROUTER_TERMINATION_GRACE_S - ROUTER_SHUTDOWN_DELAY_S - 5,
         **({"auth": _auth_config()} if spec.auth.api_key else {}),
         **({"grpc": {"token_file": f"{GRPC_TOKEN_DIR}/{GRPC_TOKEN_FILE}"}} if r.grpc_token else {}),
+        # No token: open by the spec's choice, behind the pool's NetworkPolicy (spec.py checks).
+        **({"grpc": {"allow_unauthenticated": True}} if r.grpc_open and not r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
+        **({"gateway": gateway} if gateway else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         **({"drift": drift} if watches_drift(spec) else {}),
         "pool": {
@@ -421,9 +457,13 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         mounts.append({"name": "grpc-token", "mountPath": GRPC_TOKEN_DIR, "readOnly": True})
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
     service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
-    if grpc is not None:  # without a token gRPC listens on the pod's loopback: nothing to expose
+    if spec.router.grpc_exposed:  # else gRPC listens on the pod's loopback: nothing to expose
         ports.insert(0, {"name": "grpc", "containerPort": ROUTER_GRPC_PORT})
         service_ports.insert(0, {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"})
+    if spec.router.gateway:  # the endpoint picker's port, which the InferencePool names
+        container_port, service_port = router_ports()
+        ports.append(container_port)
+        service_ports.append(service_port)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -503,4 +543,6 @@ def render_pool(
         objs.append(_headless_service(pool, spec, role.role))
         objs += [_vllm_deployment(pool, spec, role, v) for v in role.variants]
     objs += _router_objects(pool, spec)
+    if spec.router.gateway:
+        objs.append(inference_pool(pool, spec))
     return [stamp(o, pool) for o in objs]

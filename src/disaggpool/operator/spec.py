@@ -37,6 +37,7 @@ from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, 
 __all__ = [
     "MANAGED_VLLM_FLAGS",
     "POD_SECURITY_LEVELS",
+    "ROUTER_MODES",
     "ROUTER_POLICIES",
     "AuthSpec",
     "AutoscalingSpec",
@@ -73,6 +74,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 #: `engine.podSecurity`: the Pod Security Standard the vLLM pods are rendered to pass.
 POD_SECURITY_LEVELS = ("baseline", "restricted")
+#: `router.mode`: the router as the pool's front door (clients call it), or as the endpoint picker
+#: of a Gateway API Inference Extension gateway (docs/gateway-kubernetes.md).
+ROUTER_MODES = ("frontdoor", "gateway")
 _RESOURCE_NAME = re.compile(r"^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
@@ -191,6 +195,21 @@ class RouterSpec:
     # `router.grpc.tokenSecret`: gRPC listens on every address, each call carrying this token;
     # without it gRPC listens on the pod's loopback only and the Service has no gRPC port.
     grpc_token: SecretKeyRef | None = None
+    # `router.grpc.allowUnauthenticated`: gRPC (and, in gateway mode, ext_proc) listens on every
+    # address without a token, for gateways that cannot send one on their ext_proc calls; only
+    # with `networkPolicy.enabled`, which then is the boundary (only its clients reach the ports).
+    grpc_open: bool = False
+    mode: str = "frontdoor"  # ROUTER_MODES
+
+    @property
+    def grpc_exposed(self) -> bool:
+        """Whether gRPC listens beyond the pod's loopback (and the Service exposes it)."""
+        return self.grpc_token is not None or self.grpc_open
+
+    @property
+    def gateway(self) -> bool:
+        """Gateway mode: an InferencePool, the router's ext_proc port, a pd-proxy per decode pod."""
+        return self.mode == "gateway"
 
 
 #: `calibration.maxAttempts` unset: probes of one pod in a row before it is given up on (the demo
@@ -382,11 +401,14 @@ def _slo_classes(router: Section) -> tuple[SLOClassSpec, ...]:
     return tuple(out)
 
 
-def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[SpecIssue]]:
+def parse_spec(
+    data: Any, default_image: str, default_mode: str = "frontdoor"
+) -> tuple[PoolSpec | None, list[SpecIssue]]:
     """Validate a CR ``spec``; returns (spec, []) or (None, issues). Never raises on user input.
 
     `default_image` is the operator's own image: the router and the probe run it unless the spec
-    names another one.
+    names another one. `default_mode`: the `router.mode` of a pool that names none (the operator's
+    DISAGGPOOL_ROUTER_MODE, the chart's `router.mode`).
     """
     if not isinstance(data, Mapping):
         return None, [SpecIssue("<root>", "spec must be an object")]
@@ -475,7 +497,20 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
         priority_scheduling=rt.boolean("priorityScheduling", False),
         resources=rt.section("resources").data,
         grpc_token=_secret_ref(rt.section("grpc"), "tokenSecret", "token"),
+        grpc_open=rt.section("grpc").boolean("allowUnauthenticated", False),
+        mode=rt.string("mode", default_mode),
     )
+    if router.mode not in ROUTER_MODES:
+        rt.problem("mode", f"must be frontdoor or gateway, got {router.mode!r}")
+    elif router.gateway and not router.grpc_exposed:
+        # The ext_proc port must listen beyond loopback (the gateway is another pod) and takes the
+        # gRPC port's auth: a token, or none behind the pool's NetworkPolicy.
+        rt.problem(
+            "grpc.tokenSecret",
+            "required in gateway mode (or grpc.allowUnauthenticated with networkPolicy.enabled): "
+            "the endpoint picker's ext_proc port (9002) listens beyond the pod's loopback and "
+            "takes the gRPC port's token",
+        )
     if router.decode_binding not in DECODE_BINDINGS:
         rt.problem("decodeBinding", f"must be arrival or late, got {router.decode_binding!r}")
     if router.pd_decider and router.policy not in CALIBRATED_FAMILY:
@@ -529,6 +564,12 @@ def parse_spec(data: Any, default_image: str) -> tuple[PoolSpec | None, list[Spe
 
     auth = AuthSpec(api_key=_secret_ref(spec.section("auth"), "apiKeySecret", "api-key"))
     network_policy = _network_policy(spec)
+    if router.grpc_open and not network_policy.enabled:
+        spec.problem(
+            "router.grpc.allowUnauthenticated",
+            "only with networkPolicy.enabled: without a token, the pool's NetworkPolicy is what "
+            "keeps everyone but its clients off the gRPC and ext_proc ports",
+        )
 
     if problems.problems:
         return None, [SpecIssue(p.field, p.message) for p in problems.problems]

@@ -134,11 +134,14 @@ def compute_status(
     status["pods"] = pod_states
     if spec is not None:
         status["policy"] = spec.router.policy
-    else:
-        status["policy"] = previous.get("policy", "")
-    # gRPC is reachable only when a token protects it (otherwise the router's loopback only).
+    elif previous.get("policy"):
+        status["policy"] = previous["policy"]
+    # else none: a pool invalid from its first version has no policy yet, and an empty string
+    # is no way to say so (Kubernetes 1.20 turns "" in a status merge patch into null, which
+    # the CRD's `type: string` refuses: the pool's status, Degraded included, was never written).
+    # gRPC is reachable only when a token or the NetworkPolicy guards it (else loopback only).
     status["routerEndpoint"] = router_endpoint(
-        pool, grpc=spec is not None and spec.router.grpc_token is not None
+        pool, grpc=spec is not None and spec.router.grpc_exposed
     )
     if applied_generation is not None:
         status["appliedGeneration"] = applied_generation

@@ -1,10 +1,14 @@
-"""One sidecar process: routing service, collectors, gRPC server and HTTP front door on one loop.
+"""One sidecar process: routing service, collectors, gRPC server, HTTP front door and (with
+`listen.ext_proc`) the endpoint picker behind Envoy, on one loop.
 
 `disaggpool sidecar --config FILE` calls `run_forever`; tests and the demo use `start_sidecar`,
 which returns a `RunningSidecar` with the bound ports (0 in the config picks free ones) and an
 async `close`. Everything shares one asyncio loop, so the routing service needs no locks. Every
 background loop (the collectors', the gRPC health publisher, the pool writer) runs under one
-`Supervisor`, which `/livez` reads.
+`Supervisor`, which `/livez` reads. The endpoint picker (`sidecar.epp`) has a gRPC server of
+its own, with the same credentials as the gRPC port and a health service answering for
+``liveness`` (the supervised loops), ``readiness`` (the pool usable, as `/readyz`) and the
+ext_proc service itself, as gateways probe it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import signal
 import aiohttp
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disaggpool.sidecar.auth import KeyFile, TokenInterceptor, server_credentials
 from disaggpool.sidecar.autoscale import DecodeRecommender
 from disaggpool.sidecar.collectors import Collectors
 from disaggpool.sidecar.config import SidecarConfig, is_loopback
+from disaggpool.sidecar.epp import EXT_PROC_SERVICE, ExtProcServicer
 from disaggpool.sidecar.frontdoor import FrontDoor
 from disaggpool.sidecar.grpc_server import SERVICE_NAME, add_router, health_status
 from disaggpool.sidecar.pool_writer import AnnotationSource, DriftReport, PoolWriter
@@ -58,10 +64,17 @@ class RunningSidecar:
     _session: aiohttp.ClientSession
     _health: health.aio.HealthServicer
     pool_writer: PoolWriter | None = None
+    ext_proc_port: int = 0  # 0: no endpoint picker
+    _ext_proc: grpc.aio.Server | None = None
+    _ext_proc_health: health.aio.HealthServicer | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def ext_proc_target(self) -> str:
+        return f"127.0.0.1:{self.ext_proc_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -74,6 +87,8 @@ class RunningSidecar:
         stops listening; then `close` finishes the requests in flight."""
         self.service.draining = True
         await _publish_health(self._health, self.service)
+        if self._ext_proc_health is not None:
+            await _publish_epp_health(self._ext_proc_health, self.service, self.supervisor)
         await asyncio.sleep(self.service.config.shutdown_delay_s)
         await self.close()
 
@@ -81,6 +96,9 @@ class RunningSidecar:
         """Stop listening, then wait for the requests in flight (at most `shutdown_timeout_s`;
         their upstream legs need the session and the collectors' view of the pods)."""
         await self._grpc.stop(grace=1.0)  # Route and Report answer in microseconds
+        if self._ext_proc is not None:
+            # Its streams last as long as their answers: wait for them as for the front door's.
+            await self._ext_proc.stop(grace=self.service.config.shutdown_timeout_s)
         await self._runner.cleanup()
         await self.collectors.stop()
         await self.supervisor.stop()
@@ -139,12 +157,24 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     pool_writer = _pool_writer(config, service, session)
     if pool_writer is not None:
         supervisor.periodic("pool_writer", pool_writer.step, pool_writer.period_s)
+    ext_proc, ext_proc_port, ext_proc_health = None, 0, None
+    if config.ext_proc_listen:
+        ext_proc, ext_proc_port, ext_proc_health = await _start_ext_proc(config, service, counter)
+        epp_health = ext_proc_health
+        supervisor.periodic(
+            "ext_proc_health",
+            lambda: _publish_epp_health(epp_health, service, supervisor),
+            config.scrape_interval_s,
+        )
     log.info(
-        "sidecar up on %s: policy %s, HTTP front door on http://%s, gRPC on %s",
+        "sidecar up on %s: policy %s, HTTP front door on http://%s, gRPC on %s%s",
         type(asyncio.get_running_loop()).__module__.split(".")[0],  # asyncio or uvloop
         config.policy,
         _joined(host, http_port),
         _joined(ghost, grpc_port),
+        f", ext_proc on {_joined(_split(config.ext_proc_listen)[0], ext_proc_port)}"
+        if ext_proc
+        else "",
     )
     return RunningSidecar(
         service,
@@ -157,7 +187,34 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         session,
         health_servicer,
         pool_writer,
+        ext_proc_port,
+        ext_proc,
+        ext_proc_health,
     )
+
+
+async def _start_ext_proc(
+    config: SidecarConfig, service: RoutingService, counter: PromptCounter
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """The endpoint picker's own gRPC server: ext_proc and health, with the gRPC port's
+    credentials (a token checked on every Process stream, TLS)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if config.grpc.token_file:
+        tokens = KeyFile(config.grpc.token_file)
+        refused = service.metrics.auth_failures.labels("ext_proc").inc
+        interceptors.append(TokenInterceptor(tokens, f"/{EXT_PROC_SERVICE}/", refused))
+    server = grpc.aio.server(interceptors=interceptors)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(service, counter), server)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    host, port = _split(config.ext_proc_listen)
+    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    if config.grpc.tls is not None:
+        bound = server.add_secure_port(address, server_credentials(config.grpc.tls))
+    else:
+        bound = server.add_insecure_port(address)
+    await server.start()
+    return server, bound, servicer
 
 
 def _grpc_server(config: SidecarConfig, service: RoutingService) -> grpc.aio.Server:
@@ -175,6 +232,19 @@ async def _publish_health(servicer: health.aio.HealthServicer, service: RoutingS
     status = health_status(service)
     for name in ("", "disaggpool.router.v1.Router"):
         await servicer.set(name, status)
+
+
+async def _publish_epp_health(
+    servicer: health.aio.HealthServicer, service: RoutingService, supervisor: Supervisor
+) -> None:
+    """The picker's health as gateways and kubelets probe it: ``liveness`` the process and its
+    loops, ``readiness`` and the ext_proc service the pool usable and not draining."""
+    codes = health_pb2.HealthCheckResponse
+    alive = codes.SERVING if supervisor.alive else codes.NOT_SERVING
+    ready = health_status(service)
+    await servicer.set("liveness", alive)
+    for name in ("", "readiness", EXT_PROC_SERVICE):
+        await servicer.set(name, ready)
 
 
 def _pool_writer(

@@ -34,16 +34,19 @@ from disaggpool.pdwire import POD_CONNECTION_REUSE_S
 from disaggpool.sidecar.config_access import (
     DEFAULT_GRPC_LISTEN,
     AuthConfig,
+    GatewayConfig,
     GrpcConfig,
     GrpcTLS,
     check_exposure,
     is_loopback,
     parse_auth,
+    parse_gateway,
     parse_grpc,
 )
 
 __all__ = [
     "AuthConfig",
+    "GatewayConfig",
     "GrpcConfig",
     "GrpcTLS",
     "KubernetesSource",
@@ -159,6 +162,7 @@ class SidecarConfig:
     slo_classes: tuple[SLOClass, ...]  # the default class first
     grpc_listen: str = DEFAULT_GRPC_LISTEN
     http_listen: str = "0.0.0.0:8000"
+    ext_proc_listen: str = ""  # the endpoint picker behind Envoy (sidecar.epp); "": none
     predictor: str = "online"
     scrape_interval_s: float = 1.0
     scrape_timeout_s: float = 0.0  # 0: max(2 s, 4 x interval), at most 10 s
@@ -174,6 +178,7 @@ class SidecarConfig:
     served_by_headers: bool = False  # answers name the pods that served them (pod names only)
     auth: AuthConfig = dataclasses.field(default_factory=AuthConfig)
     grpc: GrpcConfig = dataclasses.field(default_factory=GrpcConfig)
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     # An idle pooled connection to a pod is reused only this long: keep it below the pods'
     # keep-alive (`pdwire.POD_CONNECTION_REUSE_S` says why).
     upstream_keepalive_s: float = POD_CONNECTION_REUSE_S
@@ -232,6 +237,7 @@ _TOP = {
     "served_by_headers",
     "auth",
     "grpc",
+    "gateway",
     "upstream_keepalive_s",
     "shutdown_delay_s",
     "shutdown_timeout_s",
@@ -280,9 +286,9 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
     if predictor.strip().lower() != "online":  # oracles need the true output: simulator only
         raise rd.fail("predictor", f"{predictor!r} needs the true output; use online")
     listen = rd.mapping(top.get("listen", {}), "listen")
-    rd.known(listen, "listen", {"grpc", "http"})
+    rd.known(listen, "listen", {"grpc", "http", "ext_proc"})
     kwargs: dict[str, Any] = {}
-    for key in ("grpc", "http"):
+    for key in ("grpc", "http", "ext_proc"):
         if key in listen:
             kwargs[f"{key}_listen"] = _address(rd, listen[key], f"listen.{key}")
     positive = (
@@ -312,6 +318,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["auth"] = parse_auth(rd, top["auth"], base)
     if "grpc" in top:
         kwargs["grpc"] = parse_grpc(rd, top["grpc"], base)
+    if "gateway" in top:
+        kwargs["gateway"] = parse_gateway(rd, top["gateway"])
     check_exposure(rd, kwargs)
     if "tokenizer" in top:
         kwargs["tokenizer"] = _tokenizer(rd, top["tokenizer"], base)

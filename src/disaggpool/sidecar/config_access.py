@@ -1,9 +1,10 @@
-"""Who may reach the router, and with what: the `auth` and `grpc` sections of the sidecar's config.
+"""Who may reach the router, and with what: the `auth`, `grpc` and `gateway` sections of the config.
 
 `parse_auth` reads the front door's API keys file and the key sent to the pods; `parse_grpc` the
-gRPC port's token, TLS, and its bookings' limits and lease; `check_exposure` refuses a gRPC listen
+gRPC port's token, TLS, and its bookings' limits and lease; `parse_gateway` what the endpoint
+picker behind Envoy answers (`sidecar.epp`); `check_exposure` refuses a gRPC or ext_proc listen
 address beyond loopback without credentials (CONFIG.md, "Security"). Called by `sidecar.config`,
-whose `parse_config` puts the results in `SidecarConfig.auth` and `.grpc`.
+whose `parse_config` puts the results in `SidecarConfig.auth`, `.grpc` and `.gateway`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from disaggpool.formats.fields import FieldReader
 __all__ = [
     "DEFAULT_GRPC_LISTEN",
     "AuthConfig",
+    "GatewayConfig",
     "GrpcConfig",
     "GrpcTLS",
     "check_exposure",
     "is_loopback",
     "parse_auth",
+    "parse_gateway",
     "parse_grpc",
 ]
 
@@ -61,6 +64,32 @@ class GrpcConfig:
     @property
     def authenticated(self) -> bool:
         return bool(self.token_file) or (self.tls is not None and bool(self.tls.client_ca_file))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The endpoint picker's answers (`sidecar.epp`, docs/gateway.md).
+
+    `destination_port`: 0 sends Envoy to the decode pod's own host:port (from its URL); N sends
+    it to port N on the decode pod's host (the `disaggpool pd-proxy` beside the engine).
+    `decision_timeout_s`: the longest a decision (body parse, prompt count, routing) may take;
+    Envoy has no message timeout in full-duplex mode, so the picker bounds itself (503 past it).
+    """
+
+    destination_port: int = 0
+    decision_timeout_s: float = 1.0
+
+
+def parse_gateway(rd: FieldReader, raw: Any) -> GatewayConfig:
+    g = rd.mapping(raw or {}, "gateway")
+    rd.known(g, "gateway", {"destination_port", "decision_timeout_s"})
+    port = rd.integer(g.get("destination_port", 0), "gateway.destination_port", minimum=0)
+    if port > 65535:
+        raise rd.fail("gateway.destination_port", f"not a port: {port}")
+    timeout = rd.number(
+        g.get("decision_timeout_s", 1.0), "gateway.decision_timeout_s", positive=True
+    )
+    return GatewayConfig(port, timeout)
 
 
 def parse_auth(rd: FieldReader, raw: Any, base: Path | None) -> AuthConfig:
@@ -114,11 +143,14 @@ def check_exposure(rd: FieldReader, kwargs: Mapping[str, Any]) -> None:
     or fake goodput. Beyond loopback it needs a token or client certificates, or an explicit
     `grpc.allow_unauthenticated` (for a network that is itself the boundary)."""
     grpc: GrpcConfig = kwargs.get("grpc", GrpcConfig())
-    address = kwargs.get("grpc_listen", DEFAULT_GRPC_LISTEN)
-    host = address.rpartition(":")[0].strip("[]")
-    if not is_loopback(host) and not grpc.authenticated and not grpc.allow_unauthenticated:
+    # The ext_proc port routes and books requests just as the gRPC router does: the same rule.
+    for key in ("grpc", "ext_proc"):
+        address = kwargs.get(f"{key}_listen", DEFAULT_GRPC_LISTEN if key == "grpc" else "")
+        host = address.rpartition(":")[0].strip("[]")
+        if not address or is_loopback(host) or grpc.authenticated or grpc.allow_unauthenticated:
+            continue
         raise rd.fail(
-            "listen.grpc",
+            f"listen.{key}",
             f"{address} is reachable beyond this machine: set grpc.token_file or grpc.tls with "
             "client_ca_file, or grpc.allow_unauthenticated: true",
         )

@@ -1,6 +1,7 @@
 """The upstream legs of one request: vLLM's prefill leg, then the decode leg, against the pods.
 
-Follows `docs/vllm-protocol.md` §2.1 to the letter:
+Follows `docs/vllm-protocol.md` §2.1 to the letter (one leg's mechanics are in `upstream`, shared
+with the decode-side P/D proxy, `disaggpool.pdproxy`):
 
 1. the prefill leg: the body with ``kv_transfer_params = {do_remote_decode: true,
    do_remote_prefill: false, remote_engine_id/remote_block_ids/remote_host/remote_port: null}``,
@@ -50,45 +51,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disaggpool.pdwire import DECODE_POD_HEADER, PREFILL_POD_HEADER, prefill_leg_params
+from disaggpool.pdwire import DECODE_POD_HEADER, PREFILL_POD_HEADER
 from disaggpool.sidecar.openai_errors import openai_error, refused
 from disaggpool.sidecar.service import Routed, RoutingService, ServiceError
+from disaggpool.sidecar.upstream import MAX_SSE_LINE, Upstream, UpstreamFailed, prefill_leg_body
 
-__all__ = ["MAX_SSE_LINE", "Legs", "UpstreamFailed"]
+__all__ = ["MAX_SSE_LINE", "Legs", "UpstreamFailed", "tokens_in"]
 
 log = logging.getLogger("disaggpool.sidecar.frontdoor")
-
-MAX_SSE_LINE = 512 * 1024  # one server-sent event line from a pod; vLLM's are a few KiB
-
-
-class UpstreamFailed(Exception):
-    """A leg that failed. `kind` says how, in words fit for a client (no address); `never_sent`:
-    the pod provably never received the request (its connection was refused)."""
-
-    def __init__(
-        self,
-        pod: str,
-        kind: str,
-        detail: str = "",
-        status: int | None = None,
-        body: bytes = b"",
-        *,
-        never_sent: bool = False,
-        blame_pod: bool = True,
-        final: bool = False,
-    ) -> None:
-        super().__init__(f"{pod}: {kind}" + (f" ({detail})" if detail else ""))
-        self.pod = pod
-        self.kind = kind
-        self.status = status
-        self.body = body
-        self.never_sent = never_sent
-        self.blame_pod = blame_pod
-        self.final = final  # the leg ran out of its total time: no other pod gets another go
-
-    @property
-    def clients_fault(self) -> bool:
-        return self.status is not None and 400 <= self.status <= 451
 
 
 class Legs:
@@ -100,6 +70,7 @@ class Legs:
         self.config = service.config
         self.metrics = service.metrics
         self.timeouts = service.config.upstream_timeouts
+        self.upstream = Upstream(session, self.timeouts)  # one leg's mechanics, shared
 
     def headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
@@ -117,46 +88,10 @@ class Legs:
         `debug_errors` (pod names and addresses are the cluster's business)."""
         return f"{what}: {exc}" if self.config.debug_errors else f"{what}: {exc.kind}"
 
-    async def _open(
-        self, pod: str, url: str, body: dict[str, Any], headers: dict[str, str], first_byte: bool
-    ) -> aiohttp.ClientResponse:
-        """POST a leg and wait for its answer's headers: within `first_byte_s` when `first_byte`
-        (else within the whole leg's time). Failures become `UpstreamFailed`."""
-        t = self.timeouts
-        timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
-        try:
-            async with asyncio.timeout(t.first_byte_s if first_byte else t.total_s):
-                return await self.session.post(url, json=body, headers=headers, timeout=timeout)
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailed(pod, "connection refused", str(exc), never_sent=True) from None
-        except TimeoutError:
-            if first_byte:
-                raise UpstreamFailed(pod, "no answer within first_byte_s") from None
-            raise UpstreamFailed(
-                pod, "no answer within total_s", blame_pod=False, final=True
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamFailed(pod, "connection lost", str(exc) or type(exc).__name__) from None
-
-    async def _read_whole(self, pod: str, up: aiohttp.ClientResponse, deadline: float) -> bytes:
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await up.read()
-        except TimeoutError:
-            raise UpstreamFailed(
-                pod, "answer not complete within total_s", blame_pod=False, final=True
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamFailed(pod, "connection lost", str(exc) or type(exc).__name__) from None
-
     async def prefill(
         self, request: web.Request, endpoint: str, body: dict[str, Any], routed: Routed
     ) -> tuple[Any, Routed]:
-        leg = {**body, "kv_transfer_params": prefill_leg_params(), "stream": False, "max_tokens": 1}
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens", "min_completion_tokens"):
-            leg.pop(key, None)
+        leg = prefill_leg_body(body)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         headers = self.headers(request, routed.request_id)
         tried: list[str] = []
@@ -164,7 +99,7 @@ class Legs:
             pod = routed.prefill
             assert pod is not None, "a local-path request has no prefill leg"
             try:
-                params = await self._prefill_leg(pod.name, f"{pod.url}{path}", leg, headers)
+                params = await self.upstream.prefill_leg(pod.name, f"{pod.url}{path}", leg, headers)
                 self.service.prefilled(routed.request_id)
                 return params, routed
             except UpstreamFailed as exc:
@@ -179,31 +114,6 @@ class Legs:
                 raise failure
             self.metrics.prefill_retries.inc()
             routed = self.service.reroute(routed, exclude_prefill=tried)
-
-    async def _prefill_leg(
-        self, pod: str, url: str, leg: dict[str, Any], headers: dict[str, str]
-    ) -> Any:
-        """One prefill leg: its answer's `kv_transfer_params`, or `UpstreamFailed`."""
-        deadline = asyncio.get_running_loop().time() + self.timeouts.total_s
-        up = await self._open(pod, url, leg, headers, first_byte=True)
-        try:
-            raw = await self._read_whole(pod, up, deadline)
-        except BaseException:
-            up.close()
-            raise
-        up.release()
-        if up.status != 200:
-            raise UpstreamFailed(pod, f"HTTP {up.status}", status=up.status, body=raw)
-        try:
-            answer = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise UpstreamFailed(pod, "an answer that is not JSON") from None
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(answer, dict):
-            raise UpstreamFailed(pod, "an answer that is not a JSON object")
-        if not params or not isinstance(params, dict):
-            raise UpstreamFailed(pod, "no kv_transfer_params in its answer")
-        return params
 
     async def decode(
         self,
@@ -266,11 +176,11 @@ class Legs:
         up: aiohttp.ClientResponse | None = None
         complete = False  # the answer was read to its end: its connection may be pooled again
         try:
-            up = await self._open(
+            up = await self.upstream.open(
                 pod.name, f"{pod.url}{path}", body, self.headers(request, rid), first_byte=stream
             )
             if up.status != 200:
-                raw = await self._read_whole(pod.name, up, deadline)
+                raw = await self.upstream.read_whole(pod.name, up, deadline)
                 # A pod that answers an error is alive (vLLM's 500 for a KV it could not load
                 # is its prefill pod's doing): retried elsewhere, not ejected.
                 failed = UpstreamFailed(pod.name, f"HTTP {up.status}", status=up.status,
@@ -281,14 +191,14 @@ class Legs:
                     return web.Response(status=up.status, body=raw, content_type="application/json")
                 raise failed
             if not stream:
-                raw = await self._read_whole(pod.name, up, deadline)
+                raw = await self.upstream.read_whole(pod.name, up, deadline)
                 complete = True
                 self._finish_whole(routed, raw, started)
                 return web.Response(
                     body=raw, status=200, content_type="application/json", headers=served
                 )
             content_type = up.headers.get("Content-Type", "text/event-stream")
-            lines = self._sse_lines(pod.name, up, deadline)
+            lines = self.upstream.sse_lines(pod.name, up, deadline)
             first = await anext(lines, None)
             if first is None:
                 raise UpstreamFailed(pod.name, "a stream that ended before its first event")
@@ -311,42 +221,6 @@ class Legs:
                 up.release()
             elif up is not None:
                 up.close()  # a request cut short: closing its connection makes vLLM abort it
-
-    async def _sse_lines(
-        self, pod: str, up: aiohttp.ClientResponse, deadline: float
-    ) -> AsyncIterator[bytes]:
-        """The stream's lines, each within `idle_s` of the last and all before `deadline`; a
-        line longer than `MAX_SSE_LINE` or a broken connection is `UpstreamFailed`."""
-        loop = asyncio.get_running_loop()
-        idle = self.timeouts.idle_s
-        buf = bytearray()
-        while True:
-            left = deadline - loop.time()
-            try:
-                async with asyncio.timeout(min(idle, left) if left > 0 else 0):
-                    chunk = await up.content.readany()
-            except TimeoutError:
-                if loop.time() >= deadline:
-                    raise UpstreamFailed(
-                        pod, "stream longer than total_s", blame_pod=False
-                    ) from None
-                raise UpstreamFailed(pod, "stream silent for idle_s") from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise UpstreamFailed(pod, "stream cut", str(exc) or type(exc).__name__) from None
-            if not chunk:
-                if buf:
-                    yield bytes(buf)
-                return
-            buf += chunk
-            start = 0
-            while (end := buf.find(b"\n", start)) >= 0:
-                if end + 1 - start > MAX_SSE_LINE:
-                    raise _too_long(pod)
-                yield bytes(buf[start : end + 1])
-                start = end + 1
-            del buf[:start]
-            if len(buf) > MAX_SSE_LINE:  # no newline yet: do not wait for the rest of it
-                raise _too_long(pod)
 
     async def _relay(
         self,
@@ -374,7 +248,7 @@ class Legs:
                     tpot = (last - first_at) / (out - 1) if out > 1 else 0.0
                     self._finished(routed, out, (first_at or time.monotonic()) - t0, tpot)
                 else:
-                    n, usage = _tokens_in(payload)
+                    n, usage = tokens_in(payload)
                     if usage is not None:
                         usage_tokens = usage
                     if n:
@@ -449,11 +323,7 @@ class _Retryable(Exception):
         self.failure = failure
 
 
-def _too_long(pod: str) -> UpstreamFailed:
-    return UpstreamFailed(pod, f"an event line over {MAX_SSE_LINE} bytes", blame_pod=False)
-
-
-def _tokens_in(payload: bytes) -> tuple[int, int | None]:
+def tokens_in(payload: bytes) -> tuple[int, int | None]:
     """(tokens carried by one SSE event, usage.completion_tokens if it has usage)."""
     try:
         event = json.loads(payload)

@@ -51,10 +51,16 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   `disaggpool_upstream_failures_total{stage}`, `disaggpool_prefill_retries_total`,
   `disaggpool_decode_retries_total{path}` (``kv``: the same KV on another decode pod, its first
   one never got the request; ``local``: another decode pod prefilling the prompt itself);
+* with `listen.ext_proc` (the endpoint picker behind Envoy, `sidecar.epp`):
+  `disaggpool_epp_decisions_total{endpoint,code}` (each request the picker answered: ``routed``,
+  or the HTTP status of its refusal; endpoint ``completions``, ``chat``, ``models`` or
+  ``other``) and `disaggpool_epp_responses_total{code}` (the statuses of the answers that went
+  back through it, what Envoy served);
 * the process: `disaggpool_loop_errors_total{loop}` and `disaggpool_loop_restarts_total{loop}`
   (`sidecar.supervise`), `disaggpool_scrape_failures_total{pod,reason}` (``refused``,
   ``timeout``, ``http``, ``malformed``), `disaggpool_auth_failures_total{port}` (``http``,
-  ``grpc``).
+  ``grpc``, ``ext_proc``: Envoy's token on the picker's port, ``gateway``: a client's API key
+  behind Envoy).
 
 Per-pod gauges are read from the live `PoolState` at scrape time by a collector, so pods that
 leave the pool leave the page too. One registry per sidecar (tests run several in a process).
@@ -278,6 +284,14 @@ class SidecarMetrics:
         self.decode_retries = Counter(
             "disaggpool_decode_retries", "decode legs retried on another pod, by how",
             ["path"], registry=r,
+        )  # fmt: skip
+        self.epp_decisions = Counter(
+            "disaggpool_epp_decisions", "endpoint-picker answers: routed, or the refusal's status",
+            ["endpoint", "code"], registry=r,
+        )  # fmt: skip
+        self.epp_responses = Counter(
+            "disaggpool_epp_responses", "statuses of the answers that passed the endpoint picker",
+            ["code"], registry=r,
         )  # fmt: skip
         self.loop_errors = Counter(
             "disaggpool_loop_errors", "failed iterations of a background loop, by loop",

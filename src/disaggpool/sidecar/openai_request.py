@@ -27,6 +27,7 @@ __all__ = [
     "TooLarge",
     "check_length",
     "parse",
+    "parse_body",
     "read_body",
 ]
 
@@ -62,6 +63,18 @@ async def parse(
 ) -> tuple[dict[str, Any], Prompt, str]:
     """(body to forward, the measured prompt, SLO class) or BadRequest naming the field."""
     raw = await read_body(request, config.max_body_bytes)
+    return await parse_body(endpoint, raw, request.headers.get("X-SLO-Class"), config, counter)
+
+
+async def parse_body(
+    endpoint: str,
+    raw: bytes,
+    slo_header: str | None,
+    config: SidecarConfig,
+    counter: PromptCounter,
+) -> tuple[dict[str, Any], Prompt, str]:
+    """`parse` of a body already read (the endpoint picker gets it from Envoy in chunks);
+    `slo_header`: the request's ``X-SLO-Class``, if any."""
     try:
         # A large body would hold the loop that serves every stream and gRPC call.
         body = (
@@ -92,7 +105,7 @@ async def parse(
         raise BadRequest(f"must be an integer, got {priority!r}", "priority")
     if not config.forward_client_priority:
         body.pop("priority", None)  # it would reorder the engines' queues for everybody
-    slo = request.headers.get("X-SLO-Class") or body.pop("slo_class", None) or ""
+    slo = slo_header or body.pop("slo_class", None) or ""
     if not isinstance(slo, str):
         raise BadRequest("must be a string", "slo_class")
     try:

@@ -188,13 +188,16 @@ class RoutingService:
         *,
         max_tokens: int | None = None,
         exclude_prefill: Collection[str] = (),
+        exclude_decode: Collection[str] = (),
         token_ids: Sequence[int] | None = None,
         bind_late: bool = False,
         client: str | None = None,
     ) -> Routed:
         """Route one request. `bind_late`: the caller will call `bind_decode` when the prefill
         leg answers, so the decode pod may be chosen then (when `decode_binding` is `late`).
-        `client`: the gRPC peer that books it (None: the front door; module docstring)."""
+        `exclude_decode`: decode pods it may not go to (the endpoint picker's subset hint).
+        `client`: the gRPC peer that books it (None: the front door and the endpoint picker,
+        whose bookings count against `max_inflight`; module docstring)."""
         if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             raise BadRequest("must be 1-128 printable characters", "request_id")
         if prompt_tokens < 1:
@@ -220,7 +223,11 @@ class RoutingService:
         )
         try:
             placed = self.router.route(
-                request, now, bind_late=bind_late, exclude_prefill=exclude_prefill
+                request,
+                now,
+                bind_late=bind_late,
+                exclude_prefill=exclude_prefill,
+                exclude_decode=exclude_decode,
             )
         except NoCapacityError as exc:
             self.metrics.rejected.labels("no_capacity").inc()
