@@ -195,9 +195,8 @@ class RouterSpec:
     # `router.grpc.tokenSecret`: gRPC listens on every address, each call carrying this token;
     # without it gRPC listens on the pod's loopback only and the Service has no gRPC port.
     grpc_token: SecretKeyRef | None = None
-    # `router.grpc.allowUnauthenticated`: gRPC (and, in gateway mode, ext_proc) listens on every
-    # address without a token, for gateways that cannot send one on their ext_proc calls; only
-    # with `networkPolicy.enabled`, which then is the boundary (only its clients reach the ports).
+    # `router.grpc.allowUnauthenticated`: no token (gateways that cannot send one on ext_proc);
+    # only with `networkPolicy.enabled`, which then keeps all but its clients off the ports.
     grpc_open: bool = False
     mode: str = "frontdoor"  # ROUTER_MODES
 
@@ -565,11 +564,8 @@ def parse_spec(
     auth = AuthSpec(api_key=_secret_ref(spec.section("auth"), "apiKeySecret", "api-key"))
     network_policy = _network_policy(spec)
     if router.grpc_open and not network_policy.enabled:
-        spec.problem(
-            "router.grpc.allowUnauthenticated",
-            "only with networkPolicy.enabled: without a token, the pool's NetworkPolicy is what "
-            "keeps everyone but its clients off the gRPC and ext_proc ports",
-        )
+        why = "without a token, the NetworkPolicy keeps all but its clients off gRPC and ext_proc"
+        spec.problem("router.grpc.allowUnauthenticated", f"only with networkPolicy.enabled: {why}")
 
     if problems.problems:
         return None, [SpecIssue(p.field, p.message) for p in problems.problems]
