@@ -45,7 +45,8 @@ from disaggpool.pdproxy.metrics import ProxyMetrics
 from disaggpool.sidecar.auth import KeyFile, bearer_ok
 from disaggpool.sidecar.config import UpstreamTimeouts
 from disaggpool.sidecar.openai_errors import openai_error
-from disaggpool.sidecar.openai_request import OFF_LOOP_JSON, TooLarge, read_body
+from disaggpool.sidecar.openai_request import TooLarge, json_object, read_body
+from disaggpool.sidecar.service import BadRequest
 from disaggpool.sidecar.upstream import Upstream, UpstreamFailed, prefill_leg_body
 
 __all__ = ["PdProxy"]
@@ -272,16 +273,9 @@ class PdProxy:
 
 async def _parse(raw: bytes) -> dict[str, Any]:
     try:
-        # A large body would hold the loop that serves every other stream.
-        body = (
-            json.loads(raw)
-            if len(raw) <= OFF_LOOP_JSON
-            else await asyncio.to_thread(json.loads, raw)
-        )
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise _BadRequest("body", "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise _BadRequest("body", "request body must be a JSON object")
+        body = await json_object(raw)
+    except BadRequest as exc:
+        raise _BadRequest(exc.field, str(exc)) from None
     if not isinstance(body.get("stream", False), bool):
         raise _BadRequest("stream", "must be a boolean")
     if "kv_transfer_params" in body:

@@ -53,6 +53,7 @@ from disaggpool.sidecar.openai_request import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     NotFound,
     check_length,
+    model_list,
     parse_body,
 )
 from disaggpool.sidecar.service import BadRequest, Routed, RoutingService, ServiceError
@@ -247,18 +248,8 @@ class _Exchange:
     def _not_generation(self, method: str, path: str) -> pb.ProcessingResponse:
         """What is not a generation request is answered here, never sent to a pod."""
         if method == "GET" and path == "/v1/models":
-            model: dict[str, Any] = {
-                "id": self.config.model,
-                "object": "model",
-                "created": 0,
-                "owned_by": "disaggpool",
-                "root": self.config.model,
-                "parent": None,
-            }
-            limit = self.service.max_model_len()
-            if limit:
-                model["max_model_len"] = limit
-            body = json.dumps({"object": "list", "data": [model]}).encode()
+            listing = model_list(self.config.model, self.service.max_model_len())
+            body = json.dumps(listing).encode()
             self._count("models", "200")
             return _immediate(200, body, {})
         self._count("other", "404")

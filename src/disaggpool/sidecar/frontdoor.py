@@ -33,6 +33,7 @@ from disaggpool.sidecar.openai_request import (
     NotFound,
     TooLarge,
     check_length,
+    model_list,
     parse,
 )
 from disaggpool.sidecar.service import BadRequest, RoutingService, ServiceError
@@ -126,18 +127,7 @@ class FrontDoor:
         return web.json_response(body, status=status)
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.config.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "disaggpool",
-            "root": self.config.model,
-            "parent": None,
-        }
-        limit = self.service.max_model_len()
-        if limit:
-            model["max_model_len"] = limit
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(model_list(self.config.model, self.service.max_model_len()))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -26,6 +26,8 @@ __all__ = [
     "NotFound",
     "TooLarge",
     "check_length",
+    "json_object",
+    "model_list",
     "parse",
     "parse_body",
     "read_body",
@@ -42,6 +44,38 @@ class NotFound(BadRequest):
 class TooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"larger than max_body_bytes ({limit} bytes)")
+
+
+async def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or BadRequest naming ``body``. A large body is parsed in
+    a worker thread: on the loop it would hold every other stream and gRPC call."""
+    try:
+        body = (
+            json.loads(raw)
+            if len(raw) <= OFF_LOOP_JSON
+            else await asyncio.to_thread(json.loads, raw)
+        )
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("request body is not valid JSON", "body") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", "body")
+    return body
+
+
+def model_list(model: str, max_model_len: int) -> dict[str, Any]:
+    """``GET /v1/models`` as vLLM answers it, for the one model this router serves
+    (`max_model_len` 0: not known yet, left out)."""
+    entry: dict[str, Any] = {
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "disaggpool",
+        "root": model,
+        "parent": None,
+    }
+    if max_model_len:
+        entry["max_model_len"] = max_model_len
+    return {"object": "list", "data": [entry]}
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -75,17 +109,7 @@ async def parse_body(
 ) -> tuple[dict[str, Any], Prompt, str]:
     """`parse` of a body already read (the endpoint picker gets it from Envoy in chunks);
     `slo_header`: the request's ``X-SLO-Class``, if any."""
-    try:
-        # A large body would hold the loop that serves every stream and gRPC call.
-        body = (
-            json.loads(raw)
-            if len(raw) <= OFF_LOOP_JSON
-            else await asyncio.to_thread(json.loads, raw)
-        )
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise BadRequest("request body is not valid JSON", "body") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", "body")
+    body = await json_object(raw)
     model = body.get("model")
     if model is not None and model != config.model:
         raise NotFound(f"The model `{model}` does not exist.", "model")
