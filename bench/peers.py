@@ -7,8 +7,9 @@ emulator processes of Llama-3-8B on an A40, the decode boards at 1.0x, 0.55x and
 timed by hidden true profiles, where the routers differ in where each request decodes. Or, with
 `--pool placed`, the demo's four boards placed by its split search over every placement (the one
 that carries the most traffic at round-robin's 0.85 point, 3 prefill + 1 decode on this trace; the
-demo itself gives each role two boards), where they differ in which prefill pod takes each prompt. Every pod calibrated by the probe
-(`disaggpool calibrate`), as the operator's Jobs do. The demo's bursty
+demo itself gives each role two boards), where they differ in which prefill pod takes each
+prompt. Every pod calibrated by the probe (`disaggpool calibrate`), as the operator's Jobs do. The
+demo's bursty
 trace (Azure 2023 conversation lengths, Gamma CV 3 arrivals) at the rate where round-robin
 attains 0.85 goodput in the simulator, `--duration` seconds of it, replayed by `disaggpool
 loadgen` through (a) `disaggpool sidecar` with each of our policies, (b) `vllm-router` (PyPI,
