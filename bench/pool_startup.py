@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests" / "cluster"))
 
 from images import PROJECT  # noqa: E402
 from node_cluster import NodeCluster, running_node, unavailable  # noqa: E402
-from test_operator_on_node import CPU_POOL  # noqa: E402
+from operator_node_kit import CPU_POOL  # noqa: E402
 
 from benchutil import cpu_model  # noqa: E402
 from disaggpool.kubeclient.paths import pod_ready  # noqa: E402

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,55 +15,38 @@ from typing import Any
 
 import pytest
 from completions import complete
-from images import EMULATED_ENGINE, PROJECT
+from images import PROJECT
 from node_cluster import OPERATOR_NAMESPACE as NS
 from node_cluster import POD_SUBNET, NodeCluster
+from operator_node_kit import (
+    API_KEY,
+    CPU_POOL,
+    ROUTER_LIVENESS_WINDOW_S,
+    SLOW_POOL,
+    bursty_trace,
+    complete_through,
+    decode_replicas,
+    delete_pool,
+    engine_pods,
+    http_status,
+    loadgen_summary,
+    patch_rolling_the_router,
+    pool_deployments,
+    proc_status,
+    role_of,
+    router_pod_ip,
+    router_service_ip,
+    start_loadgen,
+    steady_trace,
+    succeeded_jobs,
+    wait_calibrated_and_routed_to,
+    wait_for_applied,
+    wait_for_decode_pods,
+)
 
 from disaggpool.kubeclient.paths import pod_ready
 
 REPO = Path(__file__).resolve().parents[2]
-
-#: 1 prefill + 2 decode on CPUs (`gpus: 0`). The engine image's `vllm` runs the emulator with
-#: the command line the operator renders (vllm_shim.py), so the probe measures a real HTTP engine.
-CPU_POOL = {
-    "apiVersion": "disaggpool.io/v1alpha1",
-    "kind": "DisaggPool",
-    "metadata": {"name": "cpu", "namespace": "default"},
-    "spec": {
-        "model": {"name": "Qwen/Qwen2.5-3B", "servedModelName": "qwen", "maxModelLen": 4096},
-        "engine": {
-            "image": f"{EMULATED_ENGINE[0]}:{EMULATED_ENGINE[1]}",
-            "imagePullPolicy": "Never",
-            "env": [{"name": "DISAGGPOOL_EMULATOR_PROFILE", "value": "a40-qwen2.5-3b"}],
-            "sharedMemory": "64Mi",
-        },
-        "prefill": {"replicas": 1, "gpus": 0},
-        "decode": {"replicas": 2, "gpus": 0},
-        "calibration": {"budgetSeconds": 10},
-        "router": {"policy": "calibrated"},
-    },
-}
-
-
-def _deployments(node: NodeCluster, pool: str) -> dict[str, dict[str, Any]]:
-    items = node.get("deployments", "-n", "default", "-l", f"disaggpool.io/pool={pool}")["items"]
-    return {d["metadata"]["name"]: d for d in items}
-
-
-def _role(obj: dict[str, Any]) -> str:
-    return str(obj["spec"]["template"]["metadata"]["labels"].get("disaggpool.io/role", "router"))
-
-
-def _delete_pool(node: NodeCluster, pool: str) -> None:
-    node.kubectl("delete", "dpool", "-n", "default", pool, "--wait=true", "--timeout=120s")
-    node.wait_for(
-        f"pool {pool}'s objects to be garbage-collected",
-        lambda: (
-            not _deployments(node, pool)
-            and not node.get("pods", "-n", "default", "-l", f"disaggpool.io/pool={pool}")["items"]
-        ),
-        timeout=180,
-    )
 
 
 def test_the_operator_runs_as_a_pod_from_the_local_image(
@@ -89,10 +70,10 @@ def test_the_sample_pool_renders_and_waits_for_gpus(
     node.kubectl("apply", "-f", str(REPO / "manifests" / "samples" / "small.yaml"))
     found = node.wait_for(
         "the operator to render the sample pool",
-        lambda: d if len(d := _deployments(node, "small")) >= 3 else {},
+        lambda: d if len(d := pool_deployments(node, "small")) >= 3 else {},
         timeout=120,
     )
-    assert sorted(_role(d) for d in found.values()) == ["decode", "prefill", "router"]
+    assert sorted(role_of(d) for d in found.values()) == ["decode", "prefill", "router"]
 
     def unschedulable() -> list[str]:
         pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/role=prefill")["items"]
@@ -105,57 +86,7 @@ def test_the_sample_pool_renders_and_waits_for_gpus(
 
     messages = node.wait_for("the scheduler's verdict", unschedulable, timeout=120)
     assert "nvidia.com/gpu" in messages[0], messages
-    _delete_pool(node, "small")
-
-
-#: Engines that take longer to open their port than three of the router's liveness periods
-#: (10 s each): a router whose liveness followed the pool's state would be restarted meanwhile.
-SLOW_START_S = 45
-ROUTER_LIVENESS_WINDOW_S = 30
-API_KEY = "node-test-key-0123456789"
-
-#: 1 prefill + 1 decode, slow to start, with every security option: restricted vLLM pods, the
-#: pool's API key (engines, router, probe), a gRPC token, NetworkPolicies (the bridge CNI here
-#: does not enforce them: their objects are what the real API server accepts).
-SLOW_POOL = {
-    "apiVersion": "disaggpool.io/v1alpha1",
-    "kind": "DisaggPool",
-    "metadata": {"name": "slow", "namespace": "default"},
-    "spec": {
-        "model": {"name": "Qwen/Qwen2.5-3B", "servedModelName": "qwen", "maxModelLen": 4096},
-        "engine": {
-            "image": f"{EMULATED_ENGINE[0]}:{EMULATED_ENGINE[1]}",
-            "imagePullPolicy": "Never",
-            "podSecurity": "restricted",
-            "env": [
-                {"name": "DISAGGPOOL_EMULATOR_PROFILE", "value": "a40-qwen2.5-3b"},
-                {"name": "DISAGGPOOL_EMULATOR_STARTUP_DELAY", "value": str(SLOW_START_S)},
-            ],
-            "sharedMemory": "64Mi",
-        },
-        "prefill": {"replicas": 1, "gpus": 0},
-        "decode": {"replicas": 1, "gpus": 0},
-        "calibration": {"budgetSeconds": 10},
-        "router": {"policy": "calibrated", "grpc": {"tokenSecret": {"name": "slow-grpc"}}},
-        "auth": {"apiKeySecret": {"name": "slow-key"}},
-        "networkPolicy": {"enabled": True},
-    },
-}
-
-
-def _proc_status(node: NodeCluster, pod: str, container: str) -> dict[str, str]:
-    """/proc/PID/status of a running container's first process, as the kernel sees it."""
-    pid = node.container_pid("default", pod, container)
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
-
-
-def _http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
+    delete_pool(node, "small")
 
 
 def test_a_slow_secured_pool_keeps_its_router_alive_and_serves_with_its_key(
@@ -203,8 +134,8 @@ def test_a_slow_secured_pool_keeps_its_router_alive_and_serves_with_its_key(
         engines = [p for p in pods() if p["metadata"]["labels"].get("disaggpool.io/role")]
         ready = len(engines) == 2 and all(pod_ready(p) for p in engines)
         if not ready:
-            assert _http_status(f"http://{ip}:8000/livez") == 200
-            if _http_status(f"http://{ip}:8000/readyz") == 503:
+            assert http_status(f"http://{ip}:8000/livez") == 200
+            if http_status(f"http://{ip}:8000/readyz") == 503:
                 seen_waiting = True
                 assert not pod_ready(current)
         return ready
@@ -224,7 +155,7 @@ def test_a_slow_secured_pool_keeps_its_router_alive_and_serves_with_its_key(
     # privileges; for the router and for a vLLM pod rendered with engine.podSecurity.
     engine = next(p for p in pods() if p["metadata"]["labels"].get("disaggpool.io/role"))
     for pod, container in ((current, "router"), (engine, "vllm")):
-        st = _proc_status(node, pod["metadata"]["name"], container)
+        st = proc_status(node, pod["metadata"]["name"], container)
         assert st["Uid"].split()[0] == "65532", (container, st["Uid"])
         assert st["CapEff"] == "0000000000000000", (container, st["CapEff"])
         assert st["Seccomp"] == "2" and st["NoNewPrivs"] == "1", (container, st)
@@ -253,7 +184,7 @@ def test_a_slow_secured_pool_keeps_its_router_alive_and_serves_with_its_key(
         "slow-engines", "slow-probe", "slow-router",
     ]  # fmt: skip
     assert router()["status"]["containerStatuses"][0]["restartCount"] == 0
-    _delete_pool(node, "slow")
+    delete_pool(node, "slow")
     node.kubectl("delete", "secret", "-n", "default", "slow-key", "slow-grpc")
 
 
@@ -268,80 +199,12 @@ def cpu_pool(node: NodeCluster, operator: dict[str, Any]) -> dict[str, Any]:
     return dict(node.wait_for("3 calibrated engine pods", calibrated, timeout=600, every=2))
 
 
-def _engines(node: NodeCluster) -> list[dict[str, Any]]:
-    pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
-    return [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
-
-
-def _succeeded_jobs(node: NodeCluster, selector: str) -> list[dict[str, Any]]:
-    """The probe Jobs matching `selector`, once every pod they probe has a succeeded one (a
-    failed attempt, retried by the operator, may stay beside it)."""
-    jobs = node.get("jobs", "-n", "default", "-l", selector)["items"]
-    pods = {j["metadata"]["labels"]["disaggpool.io/pod"] for j in jobs}
-    done = {
-        j["metadata"]["labels"]["disaggpool.io/pod"]
-        for j in jobs
-        if j["status"].get("succeeded") == 1
-    }
-    return list(jobs) if jobs and done == pods else []
-
-
-def _router_ip(node: NodeCluster) -> str:
-    def ready_routers() -> list[dict[str, Any]]:
-        pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/component=router")["items"]
-        return [
-            p
-            for p in pods
-            if p["metadata"]["labels"].get("disaggpool.io/pool") == "cpu"
-            and pod_ready(p)
-            and not p["metadata"].get("deletionTimestamp")
-        ]
-
-    return str(
-        node.wait_for("a Ready router pod", ready_routers, timeout=180)[0]["status"]["podIP"]
-    )
-
-
-def _router_service_ip(node: NodeCluster) -> str:
-    """The router Service's cluster IP: what clients use (kube-proxy's rules on this node)."""
-    selector = "disaggpool.io/component=router,disaggpool.io/pool=cpu"
-    (service,) = node.get("services", "-n", "default", "-l", selector)["items"]
-    return str(service["spec"]["clusterIP"])
-
-
-def _complete(ip: str, tokens: int = 8) -> dict[str, Any]:
-    return complete(ip, "qwen", "hello " * 50, tokens)
-
-
-def _bursty_trace(path: Path, n: int, burst: int = 10, every_s: float = 2.0) -> Path:
-    """`n` requests of the router's default SLO class (`interactive`), in bursts of `burst`
-    (within 0.5 s) every `every_s` seconds."""
-    rows = ["arrival_s,prompt_tokens,output_tokens,slo_class"]
-    for i in range(n):
-        t = (i // burst) * every_s + (i % burst) * 0.05
-        rows.append(f"{t:.3f},{200 + (i * 137) % 1300},{16 + (i * 29) % 48},interactive")
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def _loadgen(ip: str, trace: Path, out: Path) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "disaggpool", "loadgen", "--target", f"http://{ip}:8000"]
-    cmd += ["--trace", str(trace), "--slo", "interactive:5:0.5", "--json", str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _summary(proc: subprocess.Popen[str], out: Path) -> dict[str, Any]:
-    log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, log
-    return dict(json.loads(out.read_text())["summary"])
-
-
 def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
     node: NodeCluster, cpu_pool: dict[str, Any]
 ) -> None:
     conds = {c["type"]: c["status"] for c in cpu_pool["conditions"]}
     assert conds.get("Ready") == "True", cpu_pool
-    engines = _engines(node)
+    engines = engine_pods(node)
     assert sorted(p["metadata"]["labels"]["disaggpool.io/role"] for p in engines) == [
         "decode", "decode", "prefill",
     ]  # fmt: skip
@@ -352,14 +215,14 @@ def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
         assert "nvidia.com/gpu" not in limits
     # A probe writes its profile before it exits: the Job may still be finishing.
     jobs = node.wait_for(
-        "every probe Job to succeed", lambda: _succeeded_jobs(node, "disaggpool.io/pool=cpu")
+        "every probe Job to succeed", lambda: succeeded_jobs(node, "disaggpool.io/pool=cpu")
     )
     probed = {j["metadata"]["labels"]["disaggpool.io/pod"] for j in jobs}
     assert probed == {p["metadata"]["name"] for p in engines}
 
-    ip = _router_ip(node)
+    ip = router_pod_ip(node)
     assert ip.startswith(POD_SUBNET.rsplit(".", 2)[0])
-    out = _complete(ip)
+    out = complete_through(ip)
     assert out["usage"]["completion_tokens"] == 8
     assert out["choices"][0]["finish_reason"] == "length"
 
@@ -367,9 +230,9 @@ def test_a_cpu_pool_runs_calibrates_and_serves_through_its_router(
 def test_loadgen_replays_a_bursty_trace_through_the_router_pod(
     node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
 ) -> None:
-    trace = _bursty_trace(tmp_path / "bursts.csv", 40)
-    summary = _summary(
-        _loadgen(_router_ip(node), trace, tmp_path / "run.json"), tmp_path / "run.json"
+    trace = bursty_trace(tmp_path / "bursts.csv", 40)
+    summary = loadgen_summary(
+        start_loadgen(router_pod_ip(node), trace, tmp_path / "run.json"), tmp_path / "run.json"
     )
     print(f"\n[cluster] loadgen through the router pod: {summary}")
     assert summary["requests"] == 40
@@ -378,48 +241,20 @@ def test_loadgen_replays_a_bursty_trace_through_the_router_pod(
     assert 0.0 <= summary["goodput"] <= 1.0
 
 
-def _wait_calibrated_and_routed_to(node: NodeCluster, pod: str) -> None:
-    """`pod` gets a calibrated profile from a succeeded probe Job, and the router sends it work."""
-
-    def probed() -> bool:
-        status = node.get("dpool", "-n", "default", "cpu").get("status") or {}
-        states = {p["name"]: p["calibration"] for p in status.get("pods", [])}
-        return states.get(pod) == "calibrated"
-
-    node.wait_for(f"{pod} to be calibrated", probed, timeout=300, every=2)
-    node.wait_for(
-        f"{pod}'s probe Job to succeed",
-        lambda: _succeeded_jobs(node, f"disaggpool.io/pod={pod}"),
-    )
-    ip = _router_ip(node)
-    pod_ip = node.get("pod", "-n", "default", pod)["status"]["podIP"]
-
-    def served_by_pod() -> bool:
-        _complete(ip, tokens=4)
-        with urllib.request.urlopen(f"http://{pod_ip}:8000/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        return any(
-            line.startswith("vllm:request_success_total") and float(line.split()[-1]) > 0
-            for line in text.splitlines()
-        )
-
-    node.wait_for(f"the router to route to {pod}", served_by_pod, timeout=120)
-
-
 def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
     node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
 ) -> None:
-    before = {p["metadata"]["name"] for p in _engines(node)}
+    before = {p["metadata"]["name"] for p in engine_pods(node)}
     victim = sorted(
         p["metadata"]["name"]
-        for p in _engines(node)
+        for p in engine_pods(node)
         if p["metadata"]["labels"]["disaggpool.io/role"] == "decode"
     )[0]
-    trace = _bursty_trace(tmp_path / "bursts.csv", 60, every_s=1.5)
-    run = _loadgen(_router_ip(node), trace, tmp_path / "run.json")
+    trace = bursty_trace(tmp_path / "bursts.csv", 60, every_s=1.5)
+    run = start_loadgen(router_pod_ip(node), trace, tmp_path / "run.json")
     time.sleep(3)
     node.kubectl("delete", "pod", "-n", "default", victim, "--grace-period=0", "--force")
-    summary = _summary(run, tmp_path / "run.json")
+    summary = loadgen_summary(run, tmp_path / "run.json")
     print(f"\n[cluster] loadgen with {victim} deleted mid-run: {summary}")
     # Every request is accounted for: it completed (elsewhere, if need be) or got an HTTP error;
     # none was dropped without an answer.
@@ -428,18 +263,18 @@ def test_a_decode_pod_deleted_mid_run_loses_no_request_and_is_replaced(
     assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
 
     def replacement() -> str:
-        now = {p["metadata"]["name"]: p for p in _engines(node)}
+        now = {p["metadata"]["name"]: p for p in engine_pods(node)}
         new = [n for n, p in now.items() if n not in before and pod_ready(p)]
         return new[0] if len(now) == 3 and new else ""
 
     new_pod = node.wait_for("the replacement decode pod", replacement, timeout=180)
-    _wait_calibrated_and_routed_to(node, new_pod)
+    wait_calibrated_and_routed_to(node, new_pod)
 
 
 def test_a_killed_router_pod_is_replaced_and_traffic_resumes(
     node: NodeCluster, cpu_pool: dict[str, Any]
 ) -> None:
-    old_ip = _router_ip(node)
+    old_ip = router_pod_ip(node)
     (old,) = [
         p["metadata"]["name"]
         for p in node.get("pods", "-n", "default", "-l", "disaggpool.io/component=router")["items"]
@@ -448,10 +283,10 @@ def test_a_killed_router_pod_is_replaced_and_traffic_resumes(
     node.kubectl("delete", "pod", "-n", "default", old, "--grace-period=0", "--force")
     new_ip = node.wait_for(
         "a new Ready router pod",
-        lambda: (ip := _router_ip(node)) != old_ip and ip,
+        lambda: (ip := router_pod_ip(node)) != old_ip and ip,
         timeout=180,
     )
-    assert _complete(new_ip)["usage"]["completion_tokens"] == 8
+    assert complete_through(new_ip)["usage"]["completion_tokens"] == 8
 
 
 def test_a_bad_update_degrades_the_pool_and_leaves_its_pods_alone(
@@ -476,59 +311,6 @@ def test_a_bad_update_degrades_the_pool_and_leaves_its_pods_alone(
     node.wait_for("the pool to recover", lambda: not degraded(), timeout=60)
 
 
-def _decode_replicas(node: NodeCluster) -> int:
-    (decode,) = [d for d in _deployments(node, "cpu").values() if _role(d) == "decode"]
-    return int(decode["spec"]["replicas"])
-
-
-def _autoscaling_status(node: NodeCluster) -> dict[str, Any]:
-    return dict(
-        (node.get("dpool", "-n", "default", "cpu").get("status") or {}).get("autoscaling") or {}
-    )
-
-
-def _steady_trace(path: Path, n: int, rps: float, output_tokens: int) -> Path:
-    rows = ["arrival_s,prompt_tokens,output_tokens,slo_class"]
-    rows += [
-        f"{i / rps:.3f},{200 + (i * 137) % 1300},{output_tokens},interactive" for i in range(n)
-    ]
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def _patch_rolling_the_router(node: NodeCluster, spec: dict[str, Any], what: str) -> None:
-    """Merge `spec` into the pool's. It changes the router's config, so the router's Deployment
-    rolls and the new pod starts a fresh traffic window: wait for that pod."""
-    old = _router_ip(node)
-    node.kubectl(
-        "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p", json.dumps({"spec": spec})
-    )  # fmt: skip
-    node.wait_for(what, lambda: (new := _router_ip(node)) != old and new, timeout=180)
-
-
-def _wait_for_applied(node: NodeCluster, n: int, what: str, timeout: float) -> dict[str, Any]:
-    """`status.autoscaling` once the operator has applied `n` decode replicas."""
-    return dict(
-        node.wait_for(
-            what,
-            lambda: s if (s := _autoscaling_status(node)).get("replicas") == n else {},
-            timeout=timeout,
-            every=2,
-        )
-    )
-
-
-def _wait_for_decode_pods(node: NodeCluster, n: int) -> None:
-    node.wait_for(
-        f"{n} decode pods",
-        lambda: (
-            sum(p["metadata"]["labels"]["disaggpool.io/role"] == "decode" for p in _engines(node))
-            == n
-        ),
-        timeout=120,
-    )
-
-
 def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_down(
     node: NodeCluster, cpu_pool: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -540,23 +322,23 @@ def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_dow
     The `interactive` class's TPOT target (12 ms) is below one decode step of the emulated A40
     (about 14 ms), so a decode pod holds one sequence at the target and 2 req/s of 100-token
     outputs need more than the two pods the pool runs."""
-    assert _decode_replicas(node) == 2
+    assert decode_replicas(node) == 2
     loop = {
         "decode": {"minReplicas": 2, "maxReplicas": 3},
         "autoscaling": {"enabled": True, "startupSeconds": 30, "stabilizationWindowSeconds": 30},
         "router": {"sloClasses": [{"name": "interactive", "ttftSeconds": 5, "tpotSeconds": 0.012}]},
     }
-    _patch_rolling_the_router(node, loop, "the router pod with the autoscaler")
-    ip = _router_service_ip(node)  # from here on, as clients do: the router rolls again below
-    before = {p["metadata"]["name"] for p in _engines(node)}
-    trace = _steady_trace(tmp_path / "steady.csv", 90, rps=2.0, output_tokens=100)
-    run = _loadgen(ip, trace, tmp_path / "up.json")
-    status = _wait_for_applied(
+    patch_rolling_the_router(node, loop, "the router pod with the autoscaler")
+    ip = router_service_ip(node)  # from here on, as clients do: the router rolls again below
+    before = {p["metadata"]["name"] for p in engine_pods(node)}
+    trace = steady_trace(tmp_path / "steady.csv", 90, rps=2.0, output_tokens=100)
+    run = start_loadgen(ip, trace, tmp_path / "up.json")
+    status = wait_for_applied(
         node, 3, "the operator to apply the router's recommendation", timeout=150
     )
     assert status["source"] == "autoscaler" and status["recommendedReplicas"] >= 3, status
-    assert _decode_replicas(node) == 3
-    summary = _summary(run, tmp_path / "up.json")
+    assert decode_replicas(node) == 3
+    summary = loadgen_summary(run, tmp_path / "up.json")
     print(f"\n[cluster] scale-up: {status}; loadgen {summary}")
     assert summary["completed"] + summary["errors"] == 90
     assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
@@ -564,33 +346,31 @@ def test_the_routers_recommendation_scales_decode_up_and_the_bounds_scale_it_dow
     def third_decode_pod() -> str:
         new = [
             p["metadata"]["name"]
-            for p in _engines(node)
+            for p in engine_pods(node)
             if p["metadata"]["name"] not in before and pod_ready(p)
         ]
         return new[0] if new else ""
 
-    _wait_calibrated_and_routed_to(node, node.wait_for("a third decode pod", third_decode_pod))
+    wait_calibrated_and_routed_to(node, node.wait_for("a third decode pod", third_decode_pod))
 
     # Down: the operator keeps the recommendation within the bounds. The new bound changes the
     # router's config too, so both roll while requests run: the old router drains (it fails its
     # readiness, then finishes what it holds) and the decode pod that goes is routed around.
-    trace = _steady_trace(tmp_path / "down.csv", 40, rps=2.0, output_tokens=32)
-    router_before = _router_ip(node)
-    run = _loadgen(ip, trace, tmp_path / "down.json")
+    trace = steady_trace(tmp_path / "down.csv", 40, rps=2.0, output_tokens=32)
+    router_before = router_pod_ip(node)
+    run = start_loadgen(ip, trace, tmp_path / "down.json")
     time.sleep(3)
     node.kubectl(
         "patch", "dpool", "-n", "default", "cpu", "--type=merge", "-p",
         json.dumps({"spec": {"decode": {"maxReplicas": 2}}}),
     )  # fmt: skip
-    status = _wait_for_applied(
-        node, 2, "the operator to scale decode down to the bound", timeout=60
-    )
+    status = wait_for_applied(node, 2, "the operator to scale decode down to the bound", timeout=60)
     assert "bounds 2..2" in status["reason"], status
-    summary = _summary(run, tmp_path / "down.json")
+    summary = loadgen_summary(run, tmp_path / "down.json")
     print(f"\n[cluster] scale-down: {status}; loadgen {summary}")
     assert summary["completed"] == 40 and summary["errors"] == 0, summary["errors_by_status"]
-    node.wait_for("the router to roll", lambda: _router_ip(node) != router_before, timeout=120)
-    _wait_for_decode_pods(node, 2)
+    node.wait_for("the router to roll", lambda: router_pod_ip(node) != router_before, timeout=120)
+    wait_for_decode_pods(node, 2)
 
 
 def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
@@ -602,33 +382,33 @@ def test_the_routers_own_recommendation_scales_decode_down_when_traffic_falls(
     window fills, and the router's recommendation (2, inside the bounds 2..3) removes one pod
     with requests in flight. None is lost."""
     loop = {"decode": {"maxReplicas": 3}, "autoscaling": {"burstWindowSeconds": 120}}
-    _patch_rolling_the_router(node, loop, "the router pod with the burst window")
-    ip = _router_service_ip(node)
-    trace = _steady_trace(tmp_path / "burst.csv", 60, rps=2.0, output_tokens=100)
-    run = _loadgen(ip, trace, tmp_path / "burst.json")
-    _wait_for_applied(node, 3, "the router to ask for a third decode pod", timeout=150)
-    summary = _summary(run, tmp_path / "burst.json")
+    patch_rolling_the_router(node, loop, "the router pod with the burst window")
+    ip = router_service_ip(node)
+    trace = steady_trace(tmp_path / "burst.csv", 60, rps=2.0, output_tokens=100)
+    run = start_loadgen(ip, trace, tmp_path / "burst.json")
+    wait_for_applied(node, 3, "the router to ask for a third decode pod", timeout=150)
+    summary = loadgen_summary(run, tmp_path / "burst.json")
     assert summary["completed"] + summary["errors"] == 60, summary
     assert "no response" not in summary["errors_by_status"], summary["errors_by_status"]
 
-    light = _steady_trace(tmp_path / "light.csv", 90, rps=0.5, output_tokens=16)
-    run = _loadgen(ip, light, tmp_path / "light.json")
-    status = _wait_for_applied(
+    light = steady_trace(tmp_path / "light.csv", 90, rps=0.5, output_tokens=16)
+    run = start_loadgen(ip, light, tmp_path / "light.json")
+    status = wait_for_applied(
         node, 2, "the router's own recommendation to scale decode down", timeout=240
     )
     print(f"\n[cluster] router-decided scale-down: {status}")
     assert status["source"] == "autoscaler" and status["recommendedReplicas"] == 2, status
     assert "bounds" not in status["reason"], status  # the router's count, not a clamp
-    summary = _summary(run, tmp_path / "light.json")
+    summary = loadgen_summary(run, tmp_path / "light.json")
     print(f"[cluster] light traffic across it: {summary}")
     assert summary["completed"] == 90 and summary["errors"] == 0, summary["errors_by_status"]
-    _wait_for_decode_pods(node, 2)
+    wait_for_decode_pods(node, 2)
 
 
 def test_deleting_the_pool_garbage_collects_its_objects(
     node: NodeCluster, cpu_pool: dict[str, Any]
 ) -> None:
-    _delete_pool(node, "cpu")
+    delete_pool(node, "cpu")
     for kind in ("jobs", "configmaps", "services"):
         left = node.get(kind, "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
         assert not left, (kind, [o["metadata"]["name"] for o in left])

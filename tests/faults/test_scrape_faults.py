@@ -8,16 +8,8 @@ import urllib.error
 import urllib.request
 
 from emulator_testkit import eventually
-from faultkit import (
-    Accounting,
-    Kit,
-    Reset,
-    metric,
-    pod,
-    post_json,
-    sidecar_doc,
-    vllm_metrics_page,
-)
+from faultkit import Accounting, Kit, metric, pod, post_json, sidecar_doc
+from faultypod_kit import Reset, vllm_metrics_page
 
 BAD_PAGES = {
     "nan": vllm_metrics_page(running="NaN"),

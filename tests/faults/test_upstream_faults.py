@@ -2,7 +2,7 @@
 garbage JSON or an SSE line over 512 KiB. Every request still ends in an answer or an error
 (never a plain 500 or a silently cut stream), and the front door's books add up.
 
-The pods that misbehave are `faultkit.FaultyPod`s; the rest are emulators. Timeouts are the
+The pods that misbehave are `faultypod_kit.FaultyPod`s; the rest are emulators. Timeouts are the
 contract's `upstream_timeouts`, set small so that each test takes seconds.
 """
 
@@ -13,23 +13,8 @@ import time
 from typing import Any
 
 import pytest
-from faultkit import (
-    Accounting,
-    Drip,
-    Hang,
-    HangAfterHeaders,
-    HugeLine,
-    Kit,
-    Pass,
-    Respond,
-    Rewrite,
-    free_port,
-    metric,
-    pod,
-    post_json,
-    read_sse,
-    sidecar_doc,
-)
+from faultkit import Accounting, Kit, free_port, metric, pod, post_json, read_sse, sidecar_doc
+from faultypod_kit import Drip, Hang, HangAfterHeaders, HugeLine, Pass, Respond, Rewrite
 
 FAST = {"connect_s": 1.0, "first_byte_s": 1.0, "idle_s": 1.0, "total_s": 20.0}
 

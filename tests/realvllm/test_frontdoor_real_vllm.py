@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL
+from vllm_engines_kit import SERVED_MODEL
 
 from disaggpool.router.v1 import router_pb2 as pb
 from disaggpool.router.v1 import router_pb2_grpc as pb_grpc

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import zmq
-from conftest import post_json, prometheus_value
+from vllm_engines_kit import post_json, prometheus_value
 
 from disaggpool.core.prefix_index import prompt_blocks
 from disaggpool.sidecar.config import parse_config
