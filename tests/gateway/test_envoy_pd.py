@@ -22,7 +22,8 @@ from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.formats.profiles import save_profile
 from disaggpool.localpool.processes import free_port
 from disaggpool.loopthread import LoopThread
-from disaggpool.pdproxy.app import ProxyConfig, RunningProxy, start_proxy
+from disaggpool.pdproxy.app import RunningProxy, start_proxy
+from disaggpool.pdproxy.config import ProxyConfig
 from disaggpool.sidecar.harness import SidecarThread
 
 

@@ -12,7 +12,7 @@ from pdproxy_testkit import ProxyThread
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
-from disaggpool.pdproxy.app import ProxyConfig
+from disaggpool.pdproxy.config import ProxyConfig
 
 MODEL = "test/model"
 A40 = builtin_profile("a40-llama3-8b")

@@ -11,7 +11,8 @@ from typing import Any
 
 from disaggpool import promtext
 from disaggpool.loopthread import LoopThread
-from disaggpool.pdproxy.app import ProxyConfig, RunningProxy, start_proxy
+from disaggpool.pdproxy.app import RunningProxy, start_proxy
+from disaggpool.pdproxy.config import ProxyConfig
 
 HEADER = "x-prefiller-host-port"
 

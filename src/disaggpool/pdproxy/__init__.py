@@ -5,5 +5,5 @@ The gateway sends a request to a decode pod and names its prefill pod in ``x-pre
 local vLLM with the prefill answer's ``kv_transfer_params``, as the front door does (the legs'
 mechanics are `sidecar.upstream`, shared with it). `hosts` (the header), `proxy` (the two legs and
 the fallbacks), `forward` (`/health` and every other path, passed to the local vLLM), `metrics`,
-`app` (options and the process), `cli`. docs/pd-proxy.md says what it does and why.
+`config` (its options), `app` (the process), `cli`. docs/pd-proxy.md says what it does and why.
 """

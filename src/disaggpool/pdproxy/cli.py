@@ -31,7 +31,8 @@ def _number(args: argparse.Namespace, name: str, kind: type = float) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from disaggpool.pdproxy.app import ProxyConfig, run_forever
+    from disaggpool.pdproxy.app import run_forever
+    from disaggpool.pdproxy.config import ProxyConfig
 
     if not args.model_server:
         raise InputError("pd-proxy", "--model-server", "required (the local vLLM's URL)")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from disaggpool.pdproxy.app import ProxyConfig
+from disaggpool.pdproxy.config import ProxyConfig
 from disaggpool.pdproxy.hosts import PREFILLER_HEADER
 from disaggpool.sidecar.openai_errors import openai_error
 from disaggpool.sidecar.openai_request import TooLarge, read_body

@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disaggpool.pdproxy.app import ProxyConfig
+from disaggpool.pdproxy.config import ProxyConfig
 from disaggpool.pdproxy.forward import Forwarder
 from disaggpool.pdproxy.hosts import PREFILLER_HEADER, BadHeader, prefill_hosts
 from disaggpool.pdproxy.metrics import ProxyMetrics
