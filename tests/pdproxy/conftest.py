@@ -7,14 +7,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from pdproxy_testkit import ProxyThread
+from pdproxy_testkit import MODEL, ProxyThread
 
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.pdproxy.config import ProxyConfig
 
-MODEL = "test/model"
 A40 = builtin_profile("a40-llama3-8b")
 
 

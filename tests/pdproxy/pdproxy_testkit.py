@@ -16,6 +16,8 @@ from disaggpool.pdproxy.config import ProxyConfig
 
 HEADER = "x-prefiller-host-port"
 
+MODEL = "test/model"  # the name every emulated pod in these tests serves
+
 
 class ProxyThread(LoopThread[RunningProxy]):
     def __init__(self, config: ProxyConfig) -> None:

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from conftest import MODEL
-from pdproxy_testkit import HEADER, dead_port, get, host_port, metric, post, sse_events
+from pdproxy_testkit import HEADER, MODEL, dead_port, get, host_port, metric, post, sse_events
 
 from disaggpool.wordtokenizer import Tokenizer
 
