@@ -41,8 +41,8 @@ role, so the order of the lists does not arise here.
 
 Run: ``PYTHONPATH=src:bench .venv/bin/python bench/gateway_peers.py [--quick] [--duration S]
 [--their P,P] [--orders both|fast-first|fast-last] [--part goodput|overhead|all] [--json FILE]``.
-``--quick`` (a 15 s trace, cache_aware only, 60 overhead samples, 2 s rungs) takes about 10
-minutes on 2 cores; ``--duration 45 --their round_robin,cache_aware`` about 25.
+``--quick`` (a 15 s trace, cache_aware only, 60 overhead samples, 2 s rungs) takes about 9
+minutes on 2 cores; ``--duration 75 --their round_robin,cache_aware`` (docs/results/peers.md) 17.
 """
 
 from __future__ import annotations
