@@ -75,8 +75,9 @@ def inference_pool(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
 
 def router_gateway_config() -> tuple[dict[str, str], dict[str, Any]]:
     """(extra `listen` entries, the `gateway` section) of the router's config in gateway mode:
-    ext_proc on every address (its auth is the gRPC port's token, which gateway mode requires),
-    and destinations on the decode pods' pd-proxy port instead of vLLM's."""
+    ext_proc on every address (its auth is the gRPC port's: the token, or none behind the
+    NetworkPolicy with `grpc.allowUnauthenticated`, one of which gateway mode requires), and
+    destinations on the decode pods' pd-proxy port instead of vLLM's."""
     return {"ext_proc": f"0.0.0.0:{EPP_PORT}"}, {"destination_port": PD_PROXY_PORT}
 
 

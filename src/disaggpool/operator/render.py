@@ -351,7 +351,8 @@ ROUTER_SHUTDOWN_DELAY_S = 5
 def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
     """The sidecar's YAML config (the contract in docs/operator.md)."""
     r = spec.router
-    # gRPC is opened beyond the pod's loopback only with a token every call must carry.
+    # gRPC is opened beyond the pod's loopback only with a token every call must carry, or
+    # with none where the spec says so behind the pool's NetworkPolicy (`grpc_open`).
     grpc_host = "0.0.0.0" if r.grpc_exposed else "127.0.0.1"
     drift = {"pool": _pool_ref(pool), "max_error": spec.calibration.max_prediction_error}
     listen = {"grpc": f"{grpc_host}:{ROUTER_GRPC_PORT}", "http": f"0.0.0.0:{ROUTER_HTTP_PORT}"}
