@@ -134,7 +134,7 @@ def test_calibrated_steers_away_from_the_slow_pod_and_the_books_match_envoy(
     pool, recorders = gateway_pool
     sc = _sidecar(pool, recorders, slo_classes=SLO)
     steer = {"x-gateway-destination-endpoint": recorders["d1"].address,  # the slow pod
-             "x-prefiller-host-port": "10.0.0.1:1"}  # fmt: skip
+             "x-prefiller-host-port": "198.18.0.201:1"}  # fmt: skip
     try:
         with running_envoy(tmp_path, epp_port=sc.running.ext_proc_port) as envoy:
             before = {n: len(r.seen) for n, r in recorders.items()}
@@ -187,7 +187,7 @@ def test_a_local_prefill_removes_a_client_supplied_prefiller_header(gateway_pool
             before = {n: len(r.seen) for n, r in recorders.items()}
             status, raw = _post(f"{envoy.url}/v1/completions",
                                 {"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                                {"x-prefiller-host-port": "10.0.0.1:1"})  # fmt: skip
+                                {"x-prefiller-host-port": "198.18.0.201:1"})  # fmt: skip
             assert status == 200, raw
         [headers] = [h for n, r in recorders.items() for _, h in r.seen[before[n] :]]
         assert "x-prefiller-host-port" not in headers
@@ -354,7 +354,7 @@ def test_buffered_mode_through_envoy(gateway_pool, tmp_path) -> None:
             tmp_path, epp_port=sc.running.ext_proc_port, body_mode="BUFFERED"
         ) as envoy:
             before = {n: len(r.seen) for n, r in recorders.items()}
-            steer = {"x-gateway-destination-endpoint": "10.0.0.1:1"}
+            steer = {"x-gateway-destination-endpoint": "198.18.0.201:1"}
             status, raw = _post(f"{envoy.url}/v1/completions",
                                 {"prompt": "hi " * 20, "max_tokens": 3}, steer)  # fmt: skip
             assert status == 200, raw

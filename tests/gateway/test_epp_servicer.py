@@ -189,14 +189,14 @@ def test_bad_requests_name_the_field(pool, start_sidecar, body, status, param) -
 
 def test_the_subset_hint_limits_the_decode_pods(pool, start_sidecar) -> None:
     sc = start_sidecar(pool)
-    as_string = f"10.9.9.9:80, {pool.address('d1')}"  # a comma-separated string works too
+    as_string = f"198.18.9.9:80, {pool.address('d1')}"  # a comma-separated string works too
     for subset in ([pool.address("d1")], [pool.address("d1")], as_string, as_string):
         with Exchange(sc.running.ext_proc_target) as ex:
             ex.send(headers_message(post_headers(), subset=subset))
             ex.send(body_message(completion_body(), True))
             sets = set_headers(ex.read().request_headers.response.header_mutation)
             assert sets["x-gateway-destination-endpoint"] == pool.address("d1")
-    for subset in ([], ["10.9.9.9:80"]):
+    for subset in ([], ["198.18.9.9:80"]):
         with Exchange(sc.running.ext_proc_target) as ex:
             ex.send(headers_message(post_headers(), subset=subset))
             ex.send(body_message(completion_body(), True))

@@ -19,8 +19,8 @@ def _doc(**extra: Any) -> dict[str, Any]:
         "slo_classes": [{"name": "chat", "ttft_s": 1.0, "tpot_s": 0.1}],
         "pool": {
             "static": {
-                "prefill": [{"name": "p0", "url": "http://10.0.0.1:8000"}],
-                "decode": [{"name": "d0", "url": "http://10.0.0.2:8000"}],
+                "prefill": [{"name": "p0", "url": "http://198.18.0.1:8000"}],
+                "decode": [{"name": "d0", "url": "http://198.18.0.2:8000"}],
             }
         },
         **extra,
@@ -64,7 +64,7 @@ def test_the_picker_listens_beyond_loopback_only_with_credentials(tmp_path: Path
 
 
 def test_the_destination_is_the_pods_address_or_the_gateway_port() -> None:
-    assert destination(Member("d0", "decode", "http://10.1.2.3:8000")) == "10.1.2.3:8000"
-    assert destination(Member("d0", "decode", "http://10.1.2.3:8000"), 8001) == "10.1.2.3:8001"
+    assert destination(Member("d0", "decode", "http://198.18.2.3:8000")) == "198.18.2.3:8000"
+    assert destination(Member("d0", "decode", "http://198.18.2.3:8000"), 8001) == "198.18.2.3:8001"
     assert destination(Member("d0", "decode", "http://[fd00::1]:8000")) == "[fd00::1]:8000"
-    assert destination(Member("d0", "decode", "http://10.1.2.3")) == "10.1.2.3:80"
+    assert destination(Member("d0", "decode", "http://198.18.2.3")) == "198.18.2.3:80"

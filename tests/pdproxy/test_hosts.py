@@ -8,8 +8,8 @@ from disaggpool.pdproxy.hosts import MAX_HOSTS, BadHeader, prefill_hosts
 
 
 def test_a_list_in_order_across_repeated_fields() -> None:
-    got = prefill_hosts(["10.0.0.5:8000, [fd00::1]:8000", "p-0.pool.ns.svc:8200"])
-    assert got == ["10.0.0.5:8000", "[fd00::1]:8000", "p-0.pool.ns.svc:8200"]
+    got = prefill_hosts(["198.18.0.5:8000, [fd00::1]:8000", "p-0.pool.ns.svc:8200"])
+    assert got == ["198.18.0.5:8000", "[fd00::1]:8000", "p-0.pool.ns.svc:8200"]
 
 
 @pytest.mark.parametrize("values", [[], [""], ["  "], ["", " "]])
