@@ -1,6 +1,8 @@
 """What a client of vLLM's prefill/decode protocol sends (`docs/vllm-protocol.md` §2.1), how
-long it may keep a connection to a pod, and the headers in which our front door names the pods
-that served a request.
+long it may keep a connection to a pod, the headers in which our front door names the pods
+that served a request, and the names a Gateway API Inference Extension gateway and its endpoint
+picker speak in (docs/gateway.md): shared by the picker (`sidecar.epp`), the Envoy configuration
+it expects (`sidecar.envoy_config`) and the decode-side `pdproxy`.
 
 The prefill leg carries these `kv_transfer_params`, exactly as vLLM's reference proxy and llm-d's
 sidecar send them; the decode leg carries the prefill answer's `kv_transfer_params` unchanged.
@@ -13,8 +15,14 @@ from typing import Any
 
 __all__ = [
     "DECODE_POD_HEADER",
+    "DESTINATION_HEADER",
+    "EXT_PROC_SERVICE",
+    "LB_NAMESPACE",
     "POD_CONNECTION_REUSE_S",
+    "PREFILLER_HEADER",
     "PREFILL_POD_HEADER",
+    "SUBSET_KEY",
+    "SUBSET_NAMESPACE",
     "VLLM_KEEP_ALIVE_S",
     "prefill_leg_params",
 ]
@@ -31,6 +39,16 @@ POD_CONNECTION_REUSE_S = 3.0
 #: can split its results by pod. No prefill pod on the local path (the decode pod prefilled).
 PREFILL_POD_HEADER = "X-Disaggpool-Prefill-Pod"
 DECODE_POD_HEADER = "X-Disaggpool-Decode-Pod"
+
+#: Under a gateway: the picker's gRPC service, the header (and `envoy.lb` metadata key) naming a
+#: request's destination, the header naming its prefill pod (llm-d's; absent: no remote prefill),
+#: and where the gateway's subset hint arrives.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PREFILLER_HEADER = "x-prefiller-host-port"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
 def prefill_leg_params() -> dict[str, Any]:

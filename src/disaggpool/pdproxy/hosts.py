@@ -12,9 +12,10 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from disaggpool.pdwire import PREFILLER_HEADER
+
 __all__ = ["MAX_HOSTS", "PREFILLER_HEADER", "BadHeader", "prefill_hosts"]
 
-PREFILLER_HEADER = "x-prefiller-host-port"
 MAX_HOSTS = 8
 
 # A DNS name or an IPv4 address: letters, digits, dots and hyphens, no empty label.

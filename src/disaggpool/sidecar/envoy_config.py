@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from disaggpool.sidecar.epp import DESTINATION_HEADER, EXT_PROC_SERVICE, SUBSET_KEY
+from disaggpool.pdwire import DESTINATION_HEADER, EXT_PROC_SERVICE, SUBSET_KEY
 
 __all__ = ["envoy_config", "render"]
 

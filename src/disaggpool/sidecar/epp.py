@@ -45,6 +45,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from disaggpool.pdwire import (
+    DESTINATION_HEADER,
+    EXT_PROC_SERVICE,
+    LB_NAMESPACE,
+    PREFILLER_HEADER,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 from disaggpool.sidecar.auth import KeyFile, bearer_ok
 from disaggpool.sidecar.config import Member
 from disaggpool.sidecar.epp_books import Books
@@ -71,12 +79,6 @@ __all__ = [
 
 log = logging.getLogger("disaggpool.sidecar.epp")
 
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-PREFILLER_HEADER = "x-prefiller-host-port"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 CHUNK_BYTES = 62_000  # the largest body chunk sent back; Envoy takes more, other gateways may not
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _Mode = processing_mode_pb2.ProcessingMode
