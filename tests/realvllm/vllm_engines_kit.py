@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from disaggpool import promtext
+from disaggpool.pdwire import prefill_leg_params
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL = "tiny"
@@ -290,14 +291,7 @@ class PDPair:
             post_json(engine.url + "/v1/completions", plain, {})
         first_requests_s = round(time.monotonic() - t_start, 3)
 
-        kv = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        kv = prefill_leg_params()
         attempts = []
         for attempt in range(3):
             outcome = self._warm_up_handoff(kv, attempt)

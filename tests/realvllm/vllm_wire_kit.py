@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disaggpool.pdwire import prefill_leg_params
+
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 2048
 VLLM_VERSION = "0.32.0"
@@ -50,14 +52,7 @@ EXPIRY_COUNTERS = (
     "vllm:nixl_num_notifications_after_expiry_total",
 )
 
-PREFILL_KV_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV_PARAMS = prefill_leg_params()  # what the front door and pd-proxy send, checked here
 
 
 # ------------------------------------------------------------------ HTTP helpers
