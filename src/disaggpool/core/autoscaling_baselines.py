@@ -197,3 +197,18 @@ def make_autoscaler(
     if name == "disaggpool":
         return HeterogeneityScaler(bounds, profiles, tpot_s, target_goodput)
     raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")
+
+
+def make_prefill_autoscaler(
+    name: str,
+    bounds: Bounds,
+    profiles: Sequence[CalibrationProfile],
+    ttft_s: float,
+    target_goodput: float = 0.9,
+) -> Autoscaler:
+    """The prefill counterpart of autoscaler `name` (`AUTOSCALERS`); `profiles`: the prefill
+    pool's calibrated ones, `ttft_s`: the tightest TTFT target. (Placeholder: every name holds
+    the prefill pool at its peak until the prefill scalers land.)"""
+    if name not in AUTOSCALERS:
+        raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")
+    return StaticPeak(bounds)
