@@ -21,6 +21,20 @@ core. Where a project leaves a number to the user, the choice is named here.
   Little's law: the same `decode_capacity` as ours, from the calibrated profiles); a 5 s fast
   loop adds one pod when every engine's predicted step time is over the ITL target, and a pod is
   removed only when the load still fits under 80% of the smaller pool.
+
+Their prefill counterparts (`make_prefill_autoscaler`), each project's own where it has one:
+
+* `StaticPeak` and `KedaQueue` as they are, on the prefill pods' gauges (KEDA's queue trigger on
+  the prefill Deployment);
+* `LlmdTokenPrefill`: llm-d's token-aware prefill ScaledObject: the prompt tokens in flight at
+  the prefill pods over `V_P` (the pool's prefill throughput, tokens/s, here from the calibrated
+  constants at the mean prompt, as its `calibrate.sh` measures it) is seconds of backlog, over a
+  1.5 s target per pod, with the decode side's rate limits;
+* `LlmdSlo` on P90 TTFT / target alone (the guide leaves P/D to future work; TTFT is the
+  prefill pool's part of the SLO);
+* `DynamoPrefillPlanner`: Dynamo's prefill replicas, every 180 s the window's rate times the
+  prefill time of its mean prompt (`ceil(rps * isl / throughput)`), and a fast loop adding one
+  when the queued prompts' predicted wait is over the TTFT target.
 """
 
 from __future__ import annotations
@@ -38,17 +52,22 @@ from disaggpool.core.autoscaling import (
     decode_capacity,
 )
 from disaggpool.core.demand import Demand
+from disaggpool.core.prefill_scaling import PrefillScaler
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
     "AUTOSCALERS",
     "Autoscaler",
     "DynamoPlanner",
+    "DynamoPrefillPlanner",
     "KedaQueue",
     "LlmdSlo",
     "LlmdToken",
+    "LlmdTokenPrefill",
+    "PrefillAutoscaler",
     "StaticPeak",
     "make_autoscaler",
+    "make_prefill_autoscaler",
 ]
 
 
@@ -99,15 +118,38 @@ class LlmdToken:
         )
 
 
+class LlmdTokenPrefill:
+    name = "llmd_token"
+    BACKLOG_TARGET_S = 1.5
+
+    def __init__(self, bounds: Bounds, profiles: Sequence[CalibrationProfile]) -> None:
+        self.profiles = list(profiles)
+        self.stabilizer = _llmd_rates(bounds)
+
+    def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision:
+        isl = max(1, round(demand.mean_prompt))
+        v_p = median(isl / p.prefill.prompt_time(isl) for p in self.profiles)
+        backlog = pool.queued_tokens / v_p
+        wish = math.ceil(backlog / self.BACKLOG_TARGET_S - 1e-9)
+        return ScaleDecision(
+            self.stabilizer.apply(demand.now, wish, pool.current),
+            f"{pool.queued_tokens} prompt tokens in flight: {backlog:.2f} s of backlog over "
+            f"{self.BACKLOG_TARGET_S} s per pod",
+        )
+
+
 class LlmdSlo:
     name = "llmd_slo"
     UP, DOWN = 0.55, 0.40
 
-    def __init__(self, bounds: Bounds) -> None:
+    def __init__(self, bounds: Bounds, *, ttft_only: bool = False) -> None:
         self.stabilizer = _llmd_rates(bounds)
+        self.ttft_only = ttft_only
 
     def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision:
-        r = max(demand.ttft_ratio_p90, demand.tpot_ratio_p90)
+        r = demand.ttft_ratio_p90
+        if not self.ttft_only:
+            r = max(r, demand.tpot_ratio_p90)
         wish = pool.current + (1 if r > self.UP else -1 if r < self.DOWN else 0)
         return ScaleDecision(
             self.stabilizer.apply(demand.now, wish, pool.current),
@@ -199,16 +241,63 @@ def make_autoscaler(
     raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")
 
 
+class DynamoPrefillPlanner:
+    name = "dynamo_planner"
+    INTERVAL_S = 180.0
+
+    def __init__(
+        self, bounds: Bounds, profiles: Sequence[CalibrationProfile], ttft_s: float
+    ) -> None:
+        self.bounds = bounds
+        self.profiles = list(profiles)
+        self.ttft_s = ttft_s
+        self._next_plan = -math.inf
+
+    def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision:
+        current = pool.current
+        isl = max(1, round(demand.mean_prompt))
+        per_token = median(p.prefill.prompt_time(isl) / isl for p in self.profiles)
+        wait = pool.queued_tokens * per_token / max(1, pool.ready)
+        if wait > self.ttft_s and pool.starting == 0:
+            return ScaleDecision(
+                self.bounds.clamp(current + 1), "fast loop: queued prompts over the TTFT target"
+            )
+        if demand.now < self._next_plan:
+            return ScaleDecision(self.bounds.clamp(current), "between planning intervals")
+        self._next_plan = demand.now + self.INTERVAL_S
+        if demand.arrival_rps <= 0:
+            return ScaleDecision(self.bounds.clamp(current), "no demand observed: hold")
+        busy = demand.arrival_rps * per_token * isl
+        wish = math.ceil(busy - 1e-9)
+        return ScaleDecision(
+            self.bounds.clamp(wish), f"{demand.arrival_rps:.2f} req/s x {isl} tokens: {busy:.2f}"
+        )
+
+
+PrefillAutoscaler = (
+    StaticPeak | KedaQueue | LlmdTokenPrefill | LlmdSlo | DynamoPrefillPlanner | PrefillScaler
+)
+
+
 def make_prefill_autoscaler(
     name: str,
     bounds: Bounds,
     profiles: Sequence[CalibrationProfile],
     ttft_s: float,
     target_goodput: float = 0.9,
-) -> Autoscaler:
-    """The prefill counterpart of autoscaler `name` (`AUTOSCALERS`); `profiles`: the prefill
-    pool's calibrated ones, `ttft_s`: the tightest TTFT target. (Placeholder: every name holds
-    the prefill pool at its peak until the prefill scalers land.)"""
-    if name not in AUTOSCALERS:
-        raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")
-    return StaticPeak(bounds)
+) -> PrefillAutoscaler:
+    """The prefill counterpart of autoscaler `name` (`AUTOSCALERS`; module docstring);
+    `profiles`: the prefill pool's calibrated ones, `ttft_s`: the tightest TTFT target."""
+    if name == "static_peak":
+        return StaticPeak(bounds)
+    if name == "keda_queue":
+        return KedaQueue(bounds)
+    if name == "llmd_token":
+        return LlmdTokenPrefill(bounds, profiles)
+    if name == "llmd_slo":
+        return LlmdSlo(bounds, ttft_only=True)
+    if name == "dynamo_planner":
+        return DynamoPrefillPlanner(bounds, profiles, ttft_s)
+    if name == "disaggpool":
+        return PrefillScaler(bounds, profiles, ttft_s, target_goodput)
+    raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")

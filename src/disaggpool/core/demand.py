@@ -24,7 +24,15 @@ latencies against its class's targets) and summarises the last `window_s` second
   and prompt lengths do not go together: a code completion's 2,000-token prompt is in the
   request mean as much as a chat's 1,100, but it stays 28 steps against 211;
 * **SLO attainment**: the P90 of TTFT / target and TPOT / target over the requests finished in
-  the window.
+  the window;
+* **the work arriving**, known as each request is routed (`admitted`), not when it finishes:
+  its exact prompt, its predicted output and whether the P/D decider prefilled it on its decode
+  pod. The mean predicted output of the requests routed in the window follows a shift of the
+  mix within seconds wherever the predictor tells the new requests apart (another SLO class,
+  another prompt length), where the finished requests' mean waits for them to finish; the
+  prompts of the last `mix_requests` routed requests size the prefill pool
+  (`core.prefill_scaling`), and the share prefilled locally is prefill work the decode pool
+  takes off it.
 
 Pure: the caller passes `now` with every call; O(1) amortised per observation.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from disaggpool.core.stats import coefficient_of_variation, percentile
 
@@ -58,6 +67,17 @@ class Demand:
     ttft_ratio_p90: float  # P90 of TTFT / the class's TTFT target; 0 with nothing finished
     tpot_ratio_p90: float
     finished: int
+    # The work arriving (`DemandWindow.admitted`): requests routed in the window.
+    admitted_output: float = 0.0  # their mean predicted output tokens; 0 with none
+    local_share: float = 0.0  # the share of them the decode pool prefilled
+    prompts: tuple[int, ...] = ()  # prompt tokens of the last `mix_requests` routed requests
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Routed:
+    at: float
+    predicted_output: float
+    local: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,11 +121,22 @@ class DemandWindow:
         self._arrivals: deque[float] = deque()
         self._done: deque[_Done] = deque()
         self._mix: deque[_Done] = deque(maxlen=mix_requests)
+        self._routed: deque[_Routed] = deque()
+        self._prompts: deque[int] = deque(maxlen=mix_requests)
         self._started: float | None = None  # first observation: a window not yet full is shorter
 
     def arrived(self, now: float) -> None:
         self._note(now)
         self._arrivals.append(now)
+
+    def admitted(
+        self, now: float, prompt: int, predicted_output: float, *, local: bool = False
+    ) -> None:
+        """A request was routed (after `arrived`): its prompt, its predicted output, and whether
+        its decode pod prefills it (`local`)."""
+        self._note(now)
+        self._routed.append(_Routed(now, max(0.0, predicted_output), local))
+        self._prompts.append(max(0, prompt))
 
     def finished(
         self, now: float, prompt: int, output: int, ttft_ratio: float, tpot_ratio: float
@@ -125,6 +156,8 @@ class DemandWindow:
             self._arrivals.popleft()
         while self._done and self._done[0].at < now - self.window_s:
             self._done.popleft()
+        while self._routed and self._routed[0].at < now - self.window_s:
+            self._routed.popleft()
 
     def _counts(self, now: float, span_s: float) -> list[int]:
         """Arrivals per bin over the last `span_s` (whole bins, at least one)."""
@@ -149,6 +182,7 @@ class DemandWindow:
         mix = list(self._mix)
         work = [float(d.prompt + d.output) for d in mix]
         slot_context, slot_cv = _slot_context(mix)
+        routed = list(self._routed)
         return Demand(
             now=now,
             window_s=span,
@@ -166,10 +200,13 @@ class DemandWindow:
             ttft_ratio_p90=percentile([d.ttft_ratio for d in done], 90) if done else 0.0,
             tpot_ratio_p90=percentile([d.tpot_ratio for d in done], 90) if done else 0.0,
             finished=len(done),
+            admitted_output=_mean([r.predicted_output for r in routed]),
+            local_share=_mean([int(r.local) for r in routed]),
+            prompts=tuple(self._prompts),
         )
 
 
-def _mean(values: list[int]) -> float:
+def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 

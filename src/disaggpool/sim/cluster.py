@@ -246,9 +246,9 @@ class Simulation:
                 req = reqs[nxt]
                 nxt += 1
                 now = req.arrival
-                if self.controller is not None:
-                    self.controller.arrived(req, now)
                 self._arrive(req, now)
+                if self.controller is not None:  # after routing: it reads the prediction
+                    self.controller.arrived(req, now)
         rejected = [r for e in self._engines for r in e.rejected]
         done = [r for r in reqs if r.finish >= 0]
         return SimOutcome(

@@ -95,7 +95,11 @@ class ElasticController:
 
     # ------------------------------------------------------------------ what the router sees
     def arrived(self, req: EngineRequest, now: float) -> None:
+        """`req` arrived and was routed (its prediction and, if it was not shed, its pods set)."""
         self.window.arrived(now)
+        if not req.shed:
+            local = not req.prefill_instance
+            self.window.admitted(now, req.prompt_tokens, req.predicted_output, local=local)
 
     def finished(self, req: EngineRequest, now: float) -> None:
         slo = self.slo_classes[req.slo_class]
@@ -134,6 +138,7 @@ class ElasticController:
             ready=len(serving),
             starting=len(self._ready_at),
             waiting=sum(d.num_waiting for d in serving),
+            running=sum(d.num_running for d in serving),
             kv_usage=sum(
                 k / d.profile.kv_capacity_tokens for d, k in zip(serving, kv, strict=True)
             ),
