@@ -1,0 +1,104 @@
+"""The prefill autoscaler (core.prefill_scaling) on hand-computed queues, and the prefill
+counterparts of the other projects' autoscalers (core.autoscaling_baselines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoscale_kit import PROFILE, demand
+from disaggpool.core.autoscaling import Bounds, PoolState
+from disaggpool.core.autoscaling_baselines import (
+    AUTOSCALERS,
+    DynamoPrefillPlanner,
+    LlmdSlo,
+    LlmdTokenPrefill,
+    make_prefill_autoscaler,
+)
+from disaggpool.core.prefill_scaling import PrefillScaler, erlang_c, prefill_service
+
+BOUNDS = Bounds(1, 16, startup_s=0.0, stabilization_s=60.0)
+
+
+def test_erlang_c_on_known_values() -> None:
+    # M/M/1: the probability of waiting is the utilisation.
+    assert erlang_c(1, 0.6) == pytest.approx(0.6)
+    # M/M/2 at a = 1: C = a^2 / (2 + a) / (1 - rho + ...) = 1/3.
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(3, 3.0) == 1.0  # no stable queue
+
+
+def test_service_times_from_the_calibrated_constants() -> None:
+    # S(n) = 0.01 + 1e-4 n: 1,000 and 3,000 tokens -> 0.11 and 0.31 s.
+    mean, scv, q = prefill_service(PROFILE, [1000, 3000], 0.9)
+    assert mean == pytest.approx(0.21)
+    assert scv == pytest.approx((0.11**2 + 0.31**2) / 2 / 0.21**2 - 1)
+    assert q == pytest.approx(0.31)
+
+
+def scaler(**kw: object) -> PrefillScaler:
+    return PrefillScaler(BOUNDS, [PROFILE], 0.5, 0.9, **kw)  # type: ignore[arg-type]
+
+
+def test_pods_for_the_offered_load_and_the_ttft_tail() -> None:
+    # 10 req/s of 1,000-token prompts: 0.11 s each, a = 1.1 busy pods, slack 0.5 - 0.11 - 0.003.
+    d = demand(prompts=(1000,) * 50)
+    n, why = scaler().wish(d)
+    a, slack = 1.1, 0.5 - 0.11 - 0.003
+    expect = next(
+        c for c in range(2, 20) if erlang_c(c, a) * math.exp(-2 * (c - a) * slack / 0.11) <= 0.1
+    )
+    assert n == expect and "busy" in why
+
+
+def test_longer_prompts_and_a_wider_spread_need_more_pods() -> None:
+    base = scaler().wish(demand(prompts=(1000,) * 50))[0]
+    assert scaler().wish(demand(prompts=(4000,) * 50))[0] > base
+    # Same mean work, three prompts of 100 tokens to one of 3,700: a longer tail, cs^2 2.
+    spread = scaler().wish(demand(prompts=(100, 100, 100, 3700) * 25, arrival_rps=30.0))[0]
+    even = scaler().wish(demand(prompts=(1000,) * 50, arrival_rps=30.0))[0]
+    assert spread > even
+
+
+def test_bursts_a_queue_and_the_floor_add_pods() -> None:
+    d = demand(prompts=(1000,) * 50, arrival_rps=40.0)
+    base = scaler().wish(d)[0]
+    assert scaler().wish(dataclasses.replace(d, dispersion=9.0))[0] > base
+    # 100 prompts queued need 100 x 0.11 / 0.5 = 22 pods' worth to go within one target.
+    assert scaler().wish(d, waiting=100)[0] >= base + 22
+    assert scaler(min_headroom=1.0).wish(d)[0] >= math.ceil(2 * 40 * 0.11)
+
+
+def test_no_traffic_and_bad_arguments() -> None:
+    s = scaler()
+    assert s.wish(demand(arrival_rps=0.0, prompts=()))[0] == 0
+    # One pod fewer per step, as for decode.
+    assert s.decide(demand(arrival_rps=0.0, prompts=()), PoolState(3, 0)).replicas == 2
+    with pytest.raises(ValueError, match="ttft_s"):
+        PrefillScaler(BOUNDS, [PROFILE], 0.0)
+    with pytest.raises(ValueError, match="profile"):
+        PrefillScaler(BOUNDS, [], 0.5)
+
+
+def test_prefill_counterparts_of_the_baselines() -> None:
+    for name in AUTOSCALERS:
+        assert make_prefill_autoscaler(name, BOUNDS, [PROFILE], 0.5).name == name
+    with pytest.raises(ValueError, match="unknown autoscaler"):
+        make_prefill_autoscaler("hpa", BOUNDS, [PROFILE], 0.5)
+    # llm-d: 1,000-token prompts at 0.11 s are 9,091 tokens/s; 30,000 tokens queued = 3.3 s of
+    # backlog over 1.5 s per pod -> 3.
+    t = LlmdTokenPrefill(BOUNDS, [PROFILE])
+    got = t.decide(
+        dataclasses.replace(demand(mean_prompt=1000.0), now=0.0),
+        PoolState(1, 0, queued_tokens=30_000),
+    )
+    assert got.replicas == 2  # one pod per 180 s
+    slo = LlmdSlo(BOUNDS, ttft_only=True)
+    assert slo.decide(demand(ttft_ratio_p90=0.3, tpot_ratio_p90=0.9), PoolState(3, 0)).replicas == 2
+    # Dynamo: 10 req/s x 0.11 s = 1.1 busy -> 2; its fast loop adds one over the TTFT target.
+    dyn = DynamoPrefillPlanner(BOUNDS, [PROFILE], 0.5)
+    assert dyn.decide(demand(mean_prompt=1000.0), PoolState(4, 0)).replicas == 2
+    queued = PoolState(2, 0, queued_tokens=20_000)  # 20,000 x 0.11 ms / 2 pods = 1.1 s > 0.5
+    assert dyn.decide(demand(mean_prompt=1000.0), queued).replicas == 3
