@@ -260,3 +260,13 @@ def test_the_controller_scales_prefill_up_and_down_and_counts_its_gpu_time() -> 
     assert controller.decode_gpu_s == pytest.approx(end)
     assert controller.gpu_s == pytest.approx(controller.prefill_gpu_s + end)
     assert controller.scale_events == 2
+
+
+def test_min_prefill_lies_within_the_scenario_prefill_pool(tmp_path: Path) -> None:
+    a = autoscale_scenario(tmp_path, "autoscaling: {max_decode: 3, min_prefill: 1}").autoscaling
+    assert a is not None and a.min_prefill == 1
+    fixed = autoscale_scenario(tmp_path, "autoscaling: {max_decode: 3}").autoscaling
+    assert fixed is not None and fixed.min_prefill is None  # prefill runs throughout
+    with pytest.raises(InputError) as err:  # the pool has 2 prefill instances: the most
+        autoscale_scenario(tmp_path, "autoscaling: {max_decode: 3, min_prefill: 3}")
+    assert err.value.field == "autoscaling.min_prefill", str(err.value)
