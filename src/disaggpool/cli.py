@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, help="worker processes (default: CPU count)"
     )
     x.set_defaults(func=cmd_sim_prefix)
-    a = sim.add_parser("autoscale", help="decode autoscalers side by side on time-varying traffic")
+    a = sim.add_parser("autoscale", help="autoscalers side by side on time-varying traffic")
     a.add_argument("--quick", action="store_true", help="every traffic shape, small")
     a.add_argument(
         "--scenario", metavar="FILE", help="your pool and trace, with an autoscaling: section"

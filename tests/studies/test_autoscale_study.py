@@ -1,22 +1,33 @@
-"""The decode-autoscaling study (`studies.autoscale_traffic`, `studies.autoscale_study`): the
-traffic shapes, the experiment's rows and findings, and a scenario file's autoscalers compared."""
+"""The autoscaling study (`studies.autoscale_traffic`, `studies.autoscale_study`): the traffic
+shapes and their peaks, the experiment's rows and findings, and a scenario file's autoscalers
+compared."""
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 import pytest
 
+from disaggpool.core.hardware import builtin_profile
 from disaggpool.formats.embedded import azure_services
+from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim.capacity import pool_capacity
 from disaggpool.sim.scenario import load_scenario
 from disaggpool.studies.autoscale_study import (
+    PROFILE,
     AutoscaleConfig,
     findings,
+    peak_rps,
     run_autoscale,
     run_scenario,
+    shape_peak,
 )
-from disaggpool.studies.autoscale_traffic import shaped_trace
+from disaggpool.studies.autoscale_traffic import SHAPES, scaled_lengths, shaped_trace
+
+#: One request length per service: a shape's multipliers then show exactly in each request.
+FLAT = {"chat": [TraceRequest(0.0, 1000, 100, "chat")], "code": [TraceRequest(0.0, 50, 20)]}
 
 
 def test_shapes_follow_their_rate_and_the_shift_changes_the_mix() -> None:
@@ -98,3 +109,96 @@ autoscaling: {max_decode: 3, startup_s: 20, stabilization_s: 60,
     assert ours["timeline"]["decode_pods"][0] == 1  # the file's pool is where it starts
     assert ours["max_decode"] == 3 and ours["scale_events"] >= 1  # 16 req/s needs more
     assert ours["gpu_hours"] < rows["static_peak"]["gpu_hours"]
+
+
+def test_mixshift_makes_outputs_ten_times_longer_in_the_middle_third_in_whole_minutes() -> None:
+    flat = shaped_trace("mixshift", 5.0, 1000.0, FLAT, seed=1)
+    # Thirds of 1000 s rounded down to minutes: 300 s and 660 s.
+    assert {r.output_tokens for r in flat if 300.0 <= r.arrival_s < 660.0} == {1000}
+    assert {r.output_tokens for r in flat if not 300.0 <= r.arrival_s < 660.0} == {100}
+    assert {r.prompt_tokens for r in flat} == {1000} and {r.slo_class for r in flat} == {"chat"}
+    real = shaped_trace("mixshift", 5.0, 900.0, azure_services(), seed=1, max_context=8192)
+    first, middle, last = (
+        [r for r in real if k * 300.0 <= r.arrival_s < (k + 1) * 300.0] for k in range(3)
+    )
+    mean = [statistics.fmean(r.output_tokens for r in part) for part in (first, middle, last)]
+    assert 8.5 < mean[1] / mean[0] < 11.0 and 0.8 < mean[2] / mean[0] < 1.25
+    assert all(r.prompt_tokens + r.output_tokens <= 8192 for r in middle if r.output_tokens > 1000)
+    assert 0.85 < len(middle) / len(first) < 1.15  # the rate is constant
+
+
+def test_flash_is_seven_times_the_base_rate_for_two_minutes() -> None:
+    trace = shaped_trace("flash", 14.0, 1000.0, FLAT, seed=1)
+    inside = sum(1 for r in trace if 400.0 <= r.arrival_s < 520.0)
+    outside = len(trace) - inside
+    assert 5.5 < (inside / 120.0) / (outside / 880.0) < 8.5
+    assert 11.0 < inside / 120.0 < 17.0  # the flash is the peak
+
+
+def test_promptramp_grows_prompts_from_one_to_four_times() -> None:
+    flat = shaped_trace("promptramp", 5.0, 1000.0, FLAT, seed=1)
+    assert all(r.prompt_tokens == round(1000 * (1 + 3 * r.arrival_s / 1000)) for r in flat)
+    assert {r.output_tokens for r in flat} == {100}
+    real = shaped_trace("promptramp", 5.0, 1000.0, azure_services(), seed=1)
+    first = statistics.fmean(r.prompt_tokens for r in real if r.arrival_s < 100.0)
+    last = statistics.fmean(r.prompt_tokens for r in real if r.arrival_s >= 900.0)
+    assert 2.8 < last / first < 4.2  # 3.85x over 1.15x of the prompts, on average
+
+
+@pytest.mark.parametrize("shape", ["mixshift", "flash", "promptramp"])
+def test_new_shapes_are_deterministic_in_their_seed_and_history_is_unscaled(shape: str) -> None:
+    trace = shaped_trace(shape, 5.0, 600.0, FLAT, seed=1, history_s=120.0)
+    assert shaped_trace(shape, 5.0, 600.0, FLAT, seed=1, history_s=120.0) == trace
+    assert shaped_trace(shape, 5.0, 600.0, FLAT, seed=2, history_s=120.0) != trace
+    before = [r for r in trace if r.arrival_s < 0]
+    assert before and {(r.prompt_tokens, r.output_tokens) for r in before} == {(1000, 100)}
+
+
+def test_the_first_shapes_leave_lengths_alone_whatever_the_context() -> None:
+    services = azure_services()
+    for shape in ("diurnal", "ramp", "bursts", "shift"):
+        plain = shaped_trace(shape, 10.0, 300.0, services, seed=1)
+        assert shaped_trace(shape, 10.0, 300.0, services, seed=1, max_context=8192) == plain
+
+
+def test_scaled_lengths_stay_within_the_context() -> None:
+    assert scaled_lengths(1000, 500, 1.0, 10.0, 4096) == (1000, 3096)
+    assert scaled_lengths(1000, 500, 1.0, 10.0, None) == (1000, 5000)
+    assert scaled_lengths(3000, 100, 4.0, 1.0, 8192) == (8092, 100)
+    assert scaled_lengths(9000, 10, 4.0, 10.0, 8192) == (9000, 10)  # over already: as it was
+
+
+def test_each_shape_peaks_at_its_role_share_of_the_largest_pool() -> None:
+    cfg = AutoscaleConfig()
+    profile = builtin_profile(PROFILE)
+    chat = azure_services()["chat"]
+    tpot = 0.03
+    chat_peak = peak_rps(cfg, profile, chat, tpot)
+    for name in ("diurnal", "ramp", "bursts", "shift", "flash"):
+        assert shape_peak(SHAPES[name], cfg, profile, chat, tpot) == chat_peak
+    # Ten times the output: each request holds its slot about ten times as long.
+    mixshift = shape_peak(SHAPES["mixshift"], cfg, profile, chat, tpot)
+    assert chat_peak / 30 < mixshift < chat_peak / 8
+    ramp = shape_peak(SHAPES["promptramp"], cfg, profile, chat, tpot)
+    at_end = [TraceRequest(0.0, *scaled_lengths(r.prompt_tokens, r.output_tokens, 4.0, 1.0,
+                                                profile.max_model_len)) for r in chat]  # fmt: skip
+    prefill = pool_capacity(profile, at_end, tpot).prefill_rps
+    assert ramp == pytest.approx(0.75 * cfg.n_prefill * prefill)
+    one_decode = dataclasses.replace(cfg, max_decode=1)
+    with pytest.raises(ValueError, match="over the decode pool"):  # one pod cannot keep up
+        shape_peak(SHAPES["promptramp"], one_decode, profile, chat, tpot)
+
+
+def test_a_run_reports_its_prefill_pods_and_their_gpu_hours() -> None:
+    cfg = dataclasses.replace(
+        AutoscaleConfig.quick(), duration_s=240.0, shapes=("flash",), autoscalers=("static_peak",)
+    )
+    doc = run_autoscale(cfg, workers=1)
+    (row,) = doc["experiments"]["autoscale"]
+    assert doc["setup"]["shape_peak_rps"]["flash"] == doc["setup"]["peak_rps"]
+    # The prefill counterpart of static_peak holds the 2 prefill pods throughout.
+    assert row["max_prefill"] == 2 and row["mean_prefill"] == pytest.approx(2.0, abs=1e-3)
+    assert set(row["timeline"]["prefill_pods"]) == {2}
+    assert row["gpu_hours"] == pytest.approx(
+        row["decode_gpu_hours"] + row["prefill_gpu_hours"], abs=2e-4
+    )

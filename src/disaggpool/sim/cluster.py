@@ -23,9 +23,9 @@ import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from disaggpool.core.contracts import SLOClass
+from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.policies.base import Policy
 from disaggpool.core.predictor import OutputPredictor
 from disaggpool.core.profile import CalibrationProfile
@@ -37,6 +37,8 @@ from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.router import RouterReplica
 
 __all__ = ["Controller", "InstanceSpec", "RouterOptions", "SimOutcome", "Simulation"]
+
+_Engine = TypeVar("_Engine", PrefillEngine, DecodeEngine)
 
 
 class Controller(Protocol):
@@ -89,7 +91,7 @@ class InstanceSpec:
     role: str
     true_profile: CalibrationProfile
     believed_profile: CalibrationProfile | None
-    standby: bool = False  # a decode instance an autoscaler may start; not serving at first
+    standby: bool = False  # an instance an autoscaler may start; not serving at first
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,7 +132,7 @@ class Simulation:
         vLLM does by default on prefill and decode pods alike;
         `scheduling`: the engines' vLLM scheduling policy (``priority`` honours
         `RouteDecision.priority`); `controller`: acts on the pool as it runs (`serve`, `drain`);
-        `standby` decode instances serve only once it starts them."""
+        `standby` instances (prefill or decode) serve only once it starts them."""
         if len(policies) != router.replicas:
             raise ValueError(f"{router.replicas} router replicas need as many policy objects")
         self.slo_classes = dict(slo_classes)
@@ -171,16 +173,17 @@ class Simulation:
                     f"instance {spec.name}: role must be prefill or decode, got {spec.role!r}"
                 )
         standby = {s.name for s in instances if s.standby}
-        # The decode instances the routers see, changed in place by `serve` and `drain`.
+        # The instances the routers see, changed in place by `serve` and `drain`.
         self.serving: list[DecodeEngine] = [d for d in self.decode if d.name not in standby]
-        if not self.prefill or not self.serving:
-            raise ValueError("a pool needs at least one prefill and one serving decode instance")
+        self.serving_prefill = [p for p in self.prefill if p.name not in standby]
+        if not self.serving_prefill or not self.serving:
+            raise ValueError("a pool needs at least one serving prefill and decode instance each")
         self.controller = controller
         believed = {s.name: s.believed_profile for s in instances}
         n = router.replicas
         self.routers = [
             RouterReplica(
-                self.prefill,
+                self.serving_prefill,
                 self.serving,
                 believed,
                 policy=self.policies[r],
@@ -197,7 +200,9 @@ class Simulation:
         self._engines: list[PrefillEngine | DecodeEngine] = [*self.prefill, *self.decode]
         self._index = {e.name: i for i, e in enumerate(self._engines)}
         self._served = [0] * len(self._engines)
-        self._bound = dict.fromkeys((d.name for d in self.decode), 0)  # requests bound to each
+        # Requests bound to each instance: a decode one's until they finish, a prefill one's
+        # until their KV is pulled from it (what a drain waits for).
+        self._bound = dict.fromkeys((e.name for e in self._engines), 0)
         self._version = [0] * len(self._engines)
         self._heap: list[tuple[float, int, int]] = []  # (time, engine index, version)
 
@@ -305,6 +310,7 @@ class Simulation:
             replica.router.forget(req.key)
             self._unbind(req)
             return
+        self._bound[decision.prefill] += 1
         self._reschedule(p_idx)
 
     def _bind_decode(self, req: EngineRequest, now: float) -> int:
@@ -330,7 +336,7 @@ class Simulation:
                     d_idx = self._bind_decode(req, now)
                 started = self.decode[d_idx - len(self.prefill)].enqueue(req, now)
                 if req.rejected:  # the decode side can never hold it: free its prefill KV too
-                    engine.release(req, now)
+                    self._release(engine, req, now)
                     router.forget(req.key)
                     self._unbind(req)
                 self._after_decode(d_idx, started, [], [], now)
@@ -350,7 +356,7 @@ class Simulation:
         del started  # transfers in flight need no action until they complete
         for req in transferred:
             p_idx = self._index[req.prefill_instance]
-            self._engines[p_idx].release(req, now)  # type: ignore[union-attr]
+            self._release(self.prefill[p_idx], req, now)  # prefill engines come first
             self._reschedule(p_idx)
         for req in finished:
             self._served[idx] += 1
@@ -360,7 +366,7 @@ class Simulation:
                 self.controller.finished(req, now)
         self._reschedule(idx)
 
-    # ------------------------------------------------------------------ the serving decode set
+    # ------------------------------------------------------------------ the serving instances
     def _bind(self, req: EngineRequest, decode: str) -> None:
         req.decode_instance = decode
         self._bound[decode] += 1
@@ -369,31 +375,52 @@ class Simulation:
         if req.decode_instance:
             self._bound[req.decode_instance] -= 1
 
+    def _release(self, engine: PrefillEngine, req: EngineRequest, now: float) -> None:
+        """The KV of `req` left prefill instance `engine` (pulled, or dropped with `req`)."""
+        engine.release(req, now)
+        self._bound[engine.name] -= 1
+
     def serve(self, name: str) -> None:
-        """Decode instance `name` starts taking requests (a scaled-up pod became ready)."""
-        engine = self.decode[self._index[name] - len(self.prefill)]
-        if engine not in self.serving:
-            self.serving.append(engine)
+        """Instance `name` starts taking requests (a scaled-up pod became ready)."""
+        engine = self._engines[self._index[name]]
+        if isinstance(engine, PrefillEngine):
+            self._serve(self.serving_prefill, engine, "prefill")
+        else:
+            self._serve(self.serving, engine, "decode")
+
+    def _serve(self, serving: list[_Engine], engine: _Engine, role: Role) -> None:
+        if engine not in serving:
+            serving.append(engine)
             for replica in self.routers:
-                replica.serve(name)
+                replica.serve(engine.name, role)
 
     def drain(self, name: str) -> None:
-        """Decode instance `name` takes no new request; it finishes those it was given."""
-        engine = self.decode[self._index[name] - len(self.prefill)]
-        if engine in self.serving:
-            if len(self.serving) == 1:
-                raise ValueError("the last serving decode instance cannot be drained")
-            self.serving.remove(engine)
+        """Instance `name` takes no new request; it finishes those it was given."""
+        engine = self._engines[self._index[name]]
+        if isinstance(engine, PrefillEngine):
+            self._drain(self.serving_prefill, engine, "prefill")
+        else:
+            self._drain(self.serving, engine, "decode")
+
+    def _drain(self, serving: list[_Engine], engine: _Engine, role: Role) -> None:
+        if engine in serving:
+            if len(serving) == 1:
+                raise ValueError(f"the last serving {role} instance cannot be drained")
+            serving.remove(engine)
             for replica in self.routers:
-                replica.drain(name)
+                replica.drain(engine.name)
 
     def bound(self, name: str) -> int:
-        """Requests routed to decode instance `name` and not finished."""
+        """Requests routed to instance `name` and not done with it (finished, for a decode
+        instance; their KV pulled, for a prefill one)."""
         return self._bound[name]
 
     def drained(self, name: str) -> bool:
-        """Whether decode instance `name` holds no request and none is on its way to it."""
-        engine = self.decode[self._index[name] - len(self.prefill)]
+        """Whether instance `name` is drained: it holds no request and none is on its way."""
+        engine = self._engines[self._index[name]]
+        if isinstance(engine, PrefillEngine):
+            # Bound until pulled: nothing bound means nothing queued, running or held.
+            return engine not in self.serving_prefill and self._bound[name] == 0
         return engine not in self.serving and engine.idle and self._bound[name] == 0
 
 

@@ -13,19 +13,20 @@ knows them.
 
 Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
 share of the arrivals and seeing only its own requests in its books; the gauges are the only
-thing they share, which is what makes greedy placement herd. The decode instances a replica sees
-are the serving ones: an autoscaled simulation starts and drains them under it (`serve`,
-`drain`). With `prefix_index`, the router keeps the approximate index of the prompt blocks it
-sent to each prefill instance (`core.router.ApproximatePrefix`). Without `own_books` the policy
-sees the gauges alone (`core.pods`): a router that keeps no books, which the `herding` experiment
-needs. Called by `sim.cluster` only.
+thing they share, which is what makes greedy placement herd. The prefill and decode instances a
+replica sees are the serving ones: an autoscaled simulation starts and drains them under it
+(`serve`, `drain`). With `prefix_index`, the router keeps the approximate index of the prompt
+blocks it sent to each prefill instance (`core.router.ApproximatePrefix`). Without `own_books` the
+policy sees the gauges alone (`core.pods`): a router that keeps no books, which the `herding`
+experiment needs. Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
+from disaggpool.core.contracts import Role
 from disaggpool.core.ledger import Gauges
 from disaggpool.core.pods import Pod, Pods
 from disaggpool.core.policies.base import Policy
@@ -44,7 +45,7 @@ class RouterReplica:
 
     def __init__(
         self,
-        prefill: Sequence[PrefillEngine],
+        prefill: list[PrefillEngine],
         decode: list[DecodeEngine],
         believed: Mapping[str, CalibrationProfile | None],
         *,
@@ -57,17 +58,17 @@ class RouterReplica:
         own_books: bool = True,
         late_binding: bool = False,
     ) -> None:
-        self.prefill = list(prefill)
-        # Not copied: the simulator changes the serving decode instances in place as it scales.
+        # Not copied: the simulator changes the serving instances in place as it scales.
+        self.prefill = prefill
         self.decode = decode
         # Views are rebuilt at every decision (refresh_s=0): results never depend on the cache.
         self.pods: Pods[Pod] = Pods(own_books=own_books, refresh_s=0.0)
         self._believed = believed
-        self._decode_pods: dict[str, Pod] = {}  # every decode instance served so far
-        for p in self.prefill:
-            self.pods.add(Pod(p.name, "prefill", profile=believed[p.name]))
+        self._served: dict[str, Pod] = {}  # every instance served so far
+        for p in prefill:
+            self.serve(p.name, "prefill")
         for d in decode:
-            self.serve(d.name)
+            self.serve(d.name, "decode")
         self.ledger = self.pods.ledger
         prefix = ApproximatePrefix(PrefixIndex(), self.pods) if prefix_index else None
         self.router = Router(
@@ -103,17 +104,17 @@ class RouterReplica:
             kv_used, _ = d.observe(now)
             scraped(d.name, Gauges(d.num_running, d.num_waiting, kv_used / cap, cap), now)
 
-    # ---------------------------------------------------------------- the serving decode set
-    def serve(self, name: str) -> None:
-        """Decode instance `name` takes requests again, after those already serving (the last
-        gauges read of it are kept until the next scrape, as a sidecar keeps them)."""
+    # ---------------------------------------------------------------- the serving instances
+    def serve(self, name: str, role: Role) -> None:
+        """Instance `name` of `role` takes requests again, after those already serving (the
+        last gauges read of it are kept until the next scrape, as a sidecar keeps them)."""
         if name in self.pods.instances:
             return
-        pod = self._decode_pods.get(name)
+        pod = self._served.get(name)
         if pod is None:
-            pod = self._decode_pods[name] = Pod(name, "decode", profile=self._believed[name])
+            pod = self._served[name] = Pod(name, role, profile=self._believed[name])
         self.pods.add(pod)
 
     def drain(self, name: str) -> None:
-        """Decode instance `name` takes no new request."""
+        """Instance `name` takes no new request."""
         self.pods.remove(name)

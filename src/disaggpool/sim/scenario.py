@@ -45,7 +45,8 @@ __all__ = ["Scenario", "ScenarioAutoscaling", "load_scenario"]
 @dataclasses.dataclass(frozen=True)
 class ScenarioAutoscaling:
     """The `autoscaling:` section (`sim autoscale --scenario`): the decode bounds, a new pod's
-    cold start, the scale-down window, our target, and the autoscalers to compare."""
+    cold start, the scale-down window, our target, the autoscalers to compare, and the fewest
+    prefill pods (None: the pool's prefill pods run throughout; else they scale down to it)."""
 
     min_decode: int
     max_decode: int
@@ -53,6 +54,7 @@ class ScenarioAutoscaling:
     stabilization_s: float = 300.0
     target_goodput: float = 0.9
     autoscalers: tuple[str, ...] = AUTOSCALERS
+    min_prefill: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,8 @@ def load_scenario(path: str | Path) -> Scenario:
     autoscaling = None
     if "autoscaling" in doc:
         n_decode = sum(1 for i in instances if i.role == "decode")
-        autoscaling = _autoscaling(rd, doc["autoscaling"], n_decode)
+        n_prefill = len(instances) - n_decode
+        autoscaling = _autoscaling(rd, doc["autoscaling"], n_decode, n_prefill)
     return Scenario(
         autoscaling=autoscaling,
         router=router,
@@ -225,13 +228,13 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
     )
 
 
-def _autoscaling(rd: FieldReader, raw: Any, n_decode: int) -> ScenarioAutoscaling:
+def _autoscaling(rd: FieldReader, raw: Any, n_decode: int, n_prefill: int) -> ScenarioAutoscaling:
     a = rd.mapping(raw, "autoscaling")
     rd.known(
         a,
         "autoscaling",
         {"min_decode", "max_decode", "startup_s", "stabilization_s", "target_goodput",
-         "autoscalers"},
+         "autoscalers", "min_prefill"},
     )  # fmt: skip
     lo = rd.integer(a.get("min_decode", 1), "autoscaling.min_decode", minimum=1)
     if "max_decode" not in a:
@@ -253,6 +256,15 @@ def _autoscaling(rd: FieldReader, raw: Any, n_decode: int) -> ScenarioAutoscalin
                 f"autoscaling.autoscalers[{i}]",
                 f"unknown autoscaler {n!r}; valid: {', '.join(AUTOSCALERS)}",
             )
+    min_prefill = None
+    if "min_prefill" in a:
+        # The pool's prefill pods are the most: the autoscalers may only remove some.
+        min_prefill = rd.integer(a["min_prefill"], "autoscaling.min_prefill", minimum=1)
+        if min_prefill > n_prefill:
+            raise rd.fail(
+                "autoscaling.min_prefill",
+                f"must be at most the pool's {n_prefill} prefill instances, got {min_prefill}",
+            )
     return ScenarioAutoscaling(
         lo,
         hi,
@@ -260,6 +272,7 @@ def _autoscaling(rd: FieldReader, raw: Any, n_decode: int) -> ScenarioAutoscalin
         rd.number(a.get("stabilization_s", 300.0), "autoscaling.stabilization_s"),
         target,
         tuple(names),
+        min_prefill,
     )
 
 

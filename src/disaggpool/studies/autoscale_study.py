@@ -1,15 +1,21 @@
-"""`disaggpool sim autoscale`: decode autoscalers side by side on time-varying traffic.
+"""`disaggpool sim autoscale`: autoscalers side by side on time-varying traffic.
 
 One experiment, `experiments.autoscale` in the JSON: every traffic shape of
-`studies.autoscale_traffic` x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds,
-on the same pool and the same routing policy (`calibrated`, the router scraping every second):
+`studies.autoscale_traffic` (`diurnal`, `ramp`, `bursts`, `shift`, `mixshift`, `flash`,
+`promptramp`) x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds, on the same
+pool and the same routing policy (`calibrated`, the router scraping every second):
 
 * Pool: the study's configuration, Qwen2.5-3B on A40s with a 60k-token KV budget
-  (`a40-qwen2.5-3b`, where chat traffic is decode-bound), 4 prefill pods (fixed: only decode is
-  scaled) and 1..6 decode pods; every autoscaler starts from the static pool (6 serving), as a
-  deployment that turns autoscaling on does.
-* Traffic: each shape peaks at the rate the 6-decode pool serves at 75% of its decode capacity
-  for chat (`decode_capacity`, Little's law at the TPOT target), over `duration_s`.
+  (`a40-qwen2.5-3b`, where chat traffic is decode-bound), 1..4 prefill pods and 1..6 decode pods;
+  every autoscaler starts from the static pool (4 + 6 serving), as a deployment that turns
+  autoscaling on does. Each autoscaler scales decode (`make_autoscaler`) and prefill
+  (`make_prefill_autoscaler`, its prefill counterpart, sized by the tightest TTFT target).
+* Traffic: each shape peaks at the rate the largest pool serves at 75% of the capacity of the
+  role the shape loads (`Shape.sized_by`), for chat at the lengths of its peak: decode capacity
+  by `decode_capacity` (Little's law at the TPOT target); prefill capacity by
+  `sim.capacity.pool_capacity` (a saturated chunked-prefill pipeline, from the profile's prefill
+  constants). So `mixshift` runs at 75% of the decode pool with outputs x10, `promptramp` ends at
+  75% of the prefill pool with prompts x4 (where decode must fit too), over `duration_s`.
 * SLOs: the classes of `sim.capacity.slo_targets` for the Azure chat + code mix.
 * Timing: a new decode pod serves `startup_s` after it is asked for (engine load and probe);
   the autoscalers act every 5 s on a 60 s window, scale down after a 120 s stabilisation window,
@@ -17,7 +23,8 @@ on the same pool and the same routing policy (`calibrated`, the router scraping 
   lengths, not simulated), as autoscalers that have been running would.
 
 Rows: ``{"trace", "autoscaler", "seed", "goodput", "gpu_hours", "decode_gpu_hours",
-"scale_events", "max_decode", "mean_decode", "misses", "requests", "timeline"}``. Findings per
+"prefill_gpu_hours", "scale_events" (both roles), "max_decode", "mean_decode", "max_prefill",
+"mean_prefill", "misses", "requests", "timeline"}``. Findings per
 trace: each autoscaler's mean goodput and GPU-hours, and ours against the static peak pool and
 against every other autoscaler within half a point of its goodput or above.
 """
@@ -28,17 +35,22 @@ import dataclasses
 import random
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from disaggpool.core.autoscaling import Bounds, decode_capacity
-from disaggpool.core.autoscaling_baselines import AUTOSCALERS, make_autoscaler
+from disaggpool.core.autoscaling_baselines import (
+    AUTOSCALERS,
+    make_autoscaler,
+    make_prefill_autoscaler,
+)
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.core.policies.registry import make_policy
 from disaggpool.core.predictor import make_predictor
+from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
-from disaggpool.sim.capacity import slo_targets
+from disaggpool.sim.capacity import pool_capacity, slo_targets
 from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
 from disaggpool.sim.elastic import ElasticController
 from disaggpool.sim.metrics import summarize
@@ -46,7 +58,7 @@ from disaggpool.sim.operating_point import Progress
 from disaggpool.sim.pools import perturbed
 from disaggpool.sim.runner import run_all, staged
 from disaggpool.sim.scenario import Scenario
-from disaggpool.studies.autoscale_traffic import SHAPES, shaped_trace
+from disaggpool.studies.autoscale_traffic import SHAPES, Shape, scaled_lengths, shaped_trace
 
 __all__ = [
     "AutoscaleConfig",
@@ -57,7 +69,7 @@ __all__ = [
 ]
 
 PROFILE = "a40-qwen2.5-3b"
-PEAK_FILL = 0.75  # the peak as a share of the largest pool's decode capacity
+PEAK_FILL = 0.75  # the peak as a share of the largest pool's capacity
 EQUAL = 0.005  # goodputs closer than half a point are not told apart
 
 
@@ -69,7 +81,8 @@ class AutoscaleConfig:
     seeds: tuple[int, ...] = (1, 2, 3)
     shapes: tuple[str, ...] = tuple(SHAPES)
     autoscalers: tuple[str, ...] = AUTOSCALERS
-    n_prefill: int = 4
+    n_prefill: int = 4  # the largest prefill pool, serving at first
+    min_prefill: int = 1
     min_decode: int = 1
     max_decode: int = 6
     startup_s: float = 60.0
@@ -85,8 +98,8 @@ class AutoscaleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AutoscaleSpec:
-    """One run: a trace, the pool that may run (decode pods beyond the first `initial` on
-    standby), an autoscaler and its bounds."""
+    """One run: a trace, the pool that may run (pods beyond the starting pool on standby), an
+    autoscaler and its bounds; `prefill_bounds`: the prefill pool's (None: prefill fixed)."""
 
     trace_name: str
     trace: tuple[TraceRequest, ...]
@@ -99,12 +112,14 @@ class AutoscaleSpec:
     policy: str = "calibrated"
     scrape_interval_s: float = 1.0
     history: tuple[TraceRequest, ...] = ()  # traffic before the run, in the window only
+    prefill_bounds: Bounds | None = None
 
 
 def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
     """Run one spec; its JSON row."""
     classes = {c.name: c for c in spec.slo_classes}
     decode = [i for i in spec.instances if i.role == "decode"]
+    prefill = [i for i in spec.instances if i.role == "prefill"]
     believed = {i.name: i.believed_profile or i.true_profile for i in spec.instances}
     tpot = min(c.tpot_s for c in spec.slo_classes)
     scaler = make_autoscaler(
@@ -114,13 +129,24 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
         tpot,
         spec.target_goodput,
     )
+    prefill_scaler = None
+    if spec.prefill_bounds is not None:
+        prefill_scaler = make_prefill_autoscaler(
+            spec.autoscaler,
+            spec.prefill_bounds,
+            [believed[i.name] for i in prefill],
+            min(c.ttft_s for c in spec.slo_classes),
+            spec.target_goodput,
+        )
     controller = ElasticController(
         scaler,
-        [i.name for i in sorted(decode, key=lambda i: i.standby)],
+        _in_start_order(decode),
         believed,
         classes,
-        prefill_pods=len(spec.instances) - len(decode),
+        prefill_pods=len(prefill),
         startup_s=spec.bounds.startup_s,
+        prefill_autoscaler=prefill_scaler,
+        prefill_names=_in_start_order(prefill),
     )
     sim = Simulation(
         spec.instances,
@@ -138,7 +164,9 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
     controller.close(outcome.end_time)
     summary = summarize(outcome, classes)
     tl = controller.timeline
-    pods = [s + st + d for s, st, d in zip(tl.serving, tl.starting, tl.draining, strict=True)]
+    pods = _pods(tl.serving, tl.starting, tl.draining)
+    prefill_pods = _pods(tl.prefill_serving, tl.prefill_starting, tl.prefill_draining)
+    end = max(outcome.end_time, 1e-9)
     return {
         "trace": spec.trace_name,
         "autoscaler": spec.autoscaler,
@@ -146,18 +174,32 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
         "goodput": summary["goodput"],
         "gpu_hours": round(controller.gpu_s / 3600.0, 4),
         "decode_gpu_hours": round(controller.decode_gpu_s / 3600.0, 4),
+        "prefill_gpu_hours": round(controller.prefill_gpu_s / 3600.0, 4),
         "scale_events": controller.scale_events,
         "max_decode": max(pods, default=0),
-        "mean_decode": round(controller.decode_gpu_s / max(outcome.end_time, 1e-9), 3),
+        "mean_decode": round(controller.decode_gpu_s / end, 3),
+        "max_prefill": max(prefill_pods, default=0),
+        "mean_prefill": round(controller.prefill_gpu_s / end, 3),
         "misses": summary["misses"],
         "requests": summary["requests"],
         "timeline": {
             "t": [round(t, 1) for t in tl.t],
             "decode_pods": pods,
+            "prefill_pods": prefill_pods,
             "serving": tl.serving,
             "rate_rps": [round(r, 3) for r in tl.rate_rps],
         },
     }
+
+
+def _in_start_order(instances: Sequence[InstanceSpec]) -> list[str]:
+    """The names of `instances`, serving ones first: the order an autoscaler starts pods in."""
+    return [i.name for i in sorted(instances, key=lambda i: i.standby)]
+
+
+def _pods(serving: list[int], starting: list[int], draining: list[int]) -> list[int]:
+    """Pods costing GPU time at each tick."""
+    return [s + st + d for s, st, d in zip(serving, starting, draining, strict=True)]
 
 
 def run_autoscale(
@@ -168,20 +210,22 @@ def run_autoscale(
     profile = builtin_profile(PROFILE)
     mix = [r for rs in services.values() for r in rs]
     slo = slo_targets(profile, mix)
+    tpot = min(c.tpot_s for c in slo.values())
     chat = services["chat"]
-    capacity = decode_capacity(
-        profile,
-        statistics.fmean(r.prompt_tokens for r in chat),
-        statistics.fmean(r.output_tokens for r in chat),
-        min(c.tpot_s for c in slo.values()),
-    )
-    peak = PEAK_FILL * cfg.max_decode * capacity.rps
+    peaks = {s: shape_peak(SHAPES[s], cfg, profile, chat, tpot) for s in cfg.shapes}
     bounds = Bounds(cfg.min_decode, cfg.max_decode, cfg.startup_s, cfg.stabilization_s)
+    prefill_bounds = Bounds(cfg.min_prefill, cfg.n_prefill, cfg.startup_s, cfg.stabilization_s)
     specs = []
     for shape in cfg.shapes:
         for seed in cfg.seeds:
             both = shaped_trace(
-                shape, peak, cfg.duration_s, services, seed, history_s=cfg.history_s
+                shape,
+                peaks[shape],
+                cfg.duration_s,
+                services,
+                seed,
+                history_s=cfg.history_s,
+                max_context=profile.max_model_len,
             )
             history = tuple(r for r in both if r.arrival_s < 0)
             trace = tuple(r for r in both if r.arrival_s >= 0)
@@ -197,16 +241,77 @@ def run_autoscale(
                         seed,
                         cfg.target_goodput,
                         history=history,
+                        prefill_bounds=prefill_bounds,
                     )
                 )
     tick = staged(progress, "runs", len(specs))
     rows = run_all(specs, workers=workers, progress=tick, run=execute_autoscale)
     return {
         "config": dataclasses.asdict(cfg),
-        "setup": {"profile": PROFILE, "peak_rps": round(peak, 3), "slo": _slo_doc(slo)},
+        "setup": {
+            "profile": PROFILE,
+            # Chat's peak at the decode pool, that of the shapes that leave the lengths alone.
+            "peak_rps": round(peak_rps(cfg, profile, chat, tpot), 3),
+            "shape_peak_rps": {s: round(p, 3) for s, p in peaks.items()},
+            "slo": _slo_doc(slo),
+        },
         "experiments": {"autoscale": rows},
         "findings": {"autoscale": findings(rows)},
     }
+
+
+def shape_peak(
+    shape: Shape,
+    cfg: AutoscaleConfig,
+    profile: CalibrationProfile,
+    chat: Sequence[TraceRequest],
+    tpot_s: float,
+) -> float:
+    """The rate at `shape`'s peak (`peak_rps` at the lengths of its peak, for its role)."""
+    return peak_rps(
+        cfg,
+        profile,
+        chat,
+        tpot_s,
+        prompt_x=shape.peak_prompt_x,
+        output_x=shape.peak_output_x,
+        sized_by=shape.sized_by,
+    )
+
+
+def peak_rps(
+    cfg: AutoscaleConfig,
+    profile: CalibrationProfile,
+    chat: Sequence[TraceRequest],
+    tpot_s: float,
+    *,
+    prompt_x: float = 1.0,
+    output_x: float = 1.0,
+    sized_by: Literal["decode", "prefill"] = "decode",
+) -> float:
+    """`PEAK_FILL` of the capacity of the largest `sized_by` pool for chat with its lengths
+    times the multipliers. A prefill-sized peak must leave the largest decode pool able to
+    serve it (else the shape would test decode, not prefill)."""
+    lengths = [
+        scaled_lengths(r.prompt_tokens, r.output_tokens, prompt_x, output_x, profile.max_model_len)
+        for r in chat
+    ]
+    decode = decode_capacity(
+        profile,
+        statistics.fmean(p for p, _ in lengths),
+        statistics.fmean(o for _, o in lengths),
+        tpot_s,
+    )
+    decode_rps = cfg.max_decode * decode.rps
+    if sized_by == "decode":
+        return PEAK_FILL * decode_rps
+    at_peak = [TraceRequest(0.0, p, o) for p, o in lengths]
+    peak = PEAK_FILL * cfg.n_prefill * pool_capacity(profile, at_peak, tpot_s).prefill_rps
+    if peak > decode_rps:
+        raise ValueError(
+            f"a prefill-sized peak of {peak:.2f} req/s is over the decode pool's {decode_rps:.2f}"
+        )
+    return peak
 
 
 def run_scenario(
@@ -214,14 +319,18 @@ def run_scenario(
 ) -> dict[str, Any]:
     """The autoscalers of the file's `autoscaling:` section on its own traffic: its pool is the
     starting pool (the static one serves `max_decode` throughout), decode pods beyond it are
-    drawn from its decode instances in order, repeating; the routing policy is `calibrated` when
-    the file lists it, else its first."""
+    drawn from its decode instances in order, repeating; its prefill pods are the most that run,
+    down to `min_prefill` when the section sets it (else all run throughout); the routing policy
+    is `calibrated` when the file lists it, else its first."""
     a = scenario.autoscaling
     if a is None:
         raise ValueError("the scenario has no autoscaling: section")
     policy = "calibrated" if "calibrated" in scenario.policies else scenario.policies[0]
     bounds = Bounds(a.min_decode, a.max_decode, a.startup_s, a.stabilization_s)
     prefill = [i for i in scenario.instances if i.role == "prefill"]
+    prefill_bounds = None
+    if a.min_prefill is not None:
+        prefill_bounds = Bounds(a.min_prefill, len(prefill), a.startup_s, a.stabilization_s)
     decode = [i for i in scenario.instances if i.role == "decode"]
     extra = []
     for k in range(len(decode), a.max_decode):
@@ -252,6 +361,7 @@ def run_scenario(
                     a.target_goodput,
                     policy,
                     scenario.router.scrape_interval_s or 1.0,
+                    prefill_bounds=prefill_bounds,
                 )
             )
     tick = staged(progress, "runs", len(specs))
