@@ -251,7 +251,10 @@ class ElasticController:
             ready=len(serving),
             starting=len(self.prefill.ready_at),
             waiting=sum(p.num_waiting for p in serving),
+            running=sum(p.num_running for p in serving),
             kv_usage=sum(p.kv_used / p.capacity for p in serving),
+            # What the router's books hold for the prefill pods: prompts routed, not answered.
+            queued_tokens=sum(r.prompt_tokens for p in serving for r in p.queue),
         )
 
     def _record(self, sim: Simulation, now: float, rate: float) -> None:
