@@ -37,6 +37,7 @@ __all__ = [
     "PLURAL",
     "POD_LABEL",
     "POOL_LABEL",
+    "PREFILL_RECOMMENDATION_KEY",
     "PROBE_JOB_LABELS",
     "PROFILE_KEY",
     "PROFILE_LABEL",
@@ -99,8 +100,10 @@ GPU_TYPE_ANNOTATION = f"{GROUP}/gpu-type"
 # pool's spec or metadata): ``status.router.<key>``, one object per key. The operator keeps that
 # part of the status as the router wrote it.
 ROUTER_STATUS_KEY = "router"
-# The router's decode autoscaler's recommendation; the operator applies it within the bounds.
+# The router's decode and prefill autoscalers' recommendations; the operator applies each within
+# its role's bounds.
 DECODE_RECOMMENDATION_KEY = "decodeRecommendation"
+PREFILL_RECOMMENDATION_KEY = "prefillRecommendation"
 # The router's per-pod prediction errors; the operator re-probes drifting pods.
 OBSERVED_ERRORS_KEY = "observedErrors"
 

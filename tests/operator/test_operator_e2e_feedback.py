@@ -1,7 +1,7 @@
-"""E2E layer, the operator's feedback loops against a real kube-apiserver 1.20.2: decode autoscaling
-from the routers' recommendation, a drifting pod re-probed from the routers' errors, a failed
-probe Job retried and then the pod marked failed, and a Job that holds a probe's name without its
-labels reported.
+"""E2E layer, the operator's feedback loops against a real kube-apiserver 1.20.2: decode and prefill
+autoscaling from the routers' recommendations, a drifting pod re-probed from the routers' errors,
+a failed probe Job retried and then the pod marked failed, and a Job that holds a probe's name
+without its labels reported.
 
 Same set-up as test_operator_e2e.py (whose module docstring says more): this module starts its
 own apiserver (the module-scoped `cluster`), with manifests/ applied, and plays the kubelet.
@@ -47,15 +47,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.mark.asyncio
-async def test_decode_autoscaling_from_the_routers_recommendation(
+async def test_autoscaling_from_the_routers_recommendations(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """The loop's Kubernetes half on a real API server: the router's autoscaler (real code, the
-    router's own service-account token, so its Role is exercised) writes a recommendation on its
-    pool; a reconcile pass scales the decode Deployment within the bounds, with an Event and
-    `status.autoscaling`; a bad autoscaling spec is flagged and leaves the pool as it runs."""
+    """The loop's Kubernetes half on a real API server: the router's autoscalers (real code, the
+    router's own service-account token, so its Role is exercised) write their recommendations
+    on its pool; a reconcile pass scales the decode and prefill Deployments within their bounds,
+    with Events and `status.autoscaling`; a bad autoscaling spec is flagged and leaves the pool
+    as it runs."""
     from disaggpool.core.profile import CalibrationProfile
-    from disaggpool.sidecar.autoscale import DecodeRecommender
+    from disaggpool.sidecar.autoscale import DecodeRecommender, PrefillRecommender
     from disaggpool.sidecar.config import Member, parse_config
     from disaggpool.sidecar.pool_writer import PoolWriter
     from disaggpool.sidecar.service import RoutingService
@@ -65,9 +66,11 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
     cr = load_sample("small.yaml")
     cr["metadata"]["namespace"] = "scale"
     cr["spec"]["decode"] = {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}
+    cr["spec"]["prefill"] = {"replicas": 1, "minReplicas": 1, "maxReplicas": 2}
     cr["spec"]["autoscaling"] = {"enabled": True, "startupSeconds": 60}
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(cr))
     deployment = ("deployment", "small-decode", "-n", "scale")
+    prefill_deployment = ("deployment", "small-prefill", "-n", "scale")
     kube = Kube.from_environment(str(cluster.kubeconfig))
     try:
         await reconcile(kube, "scale", "small", default_image="disaggpool:test")
@@ -81,30 +84,44 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
         rendered = kubectl_json(cluster, "configmap", "small-router", "-n", "scale")["data"]
         config = parse_config(yaml.safe_load(rendered["sidecar.yaml"]), "sidecar.yaml")
         assert config.autoscaling is not None and config.autoscaling.pool_name == "small"
+        assert config.autoscaling.prefill is not None  # the pool's prefill bounds, rendered
         clock = [1000.0]
         service = RoutingService(
             dataclasses.replace(config, members_kubernetes=None, profiles_kubernetes=None),
             clock=lambda: clock[0],
         )
-        service.state.set_members([Member("small-decode-a", "decode", "http://127.0.0.1:1")])
+        service.state.set_members(
+            [Member("small-decode-a", "decode", "http://127.0.0.1:1"),
+             Member("small-prefill-a", "prefill", "http://127.0.0.1:2")]
+        )  # fmt: skip
         profile: CalibrationProfile = dataclasses.replace(
             builtin_profile("a40-llama3-8b"), quality="good"
         )
         service.state.set_profile("small-decode-a", profile, clock[0])
         service.state.scraped("small-decode-a", Gauges(40, 12, 0.9, 190_000), clock[0])
-        for i in range(3000):  # 50 req/s over the last minute
+        service.state.set_profile("small-prefill-a", profile, clock[0])
+        service.state.scraped("small-prefill-a", Gauges(2, 6, 0.3, 190_000), clock[0])
+        for i in range(3000):  # 50 req/s over the last minute, as the service records a route
             service.demand.arrived(940.0 + i / 50.0)
+            service.demand.admitted(940.0 + i / 50.0, 1000, 200.0)
         for _ in range(100):
             service.demand.finished(990.0, 1000, 200, 0.5, 0.5)
         token = cluster.sa_token("scale", "small-router")
         router_cfg = cluster.kubeconfig_for(tmp_path / "router", token)
-        recommender = DecodeRecommender(config.autoscaling, service)
+        recommenders = [
+            DecodeRecommender(config.autoscaling, service),
+            PrefillRecommender(config.autoscaling, service),
+        ]
         task = PoolWriter(
-            service, [recommender], namespace="scale", name="small", period_s=15.0, session=None,
+            service, recommenders, namespace="scale", name="small", period_s=15.0, session=None,
             kube=lambda: Kube.from_environment(str(router_cfg)),
         )  # fmt: skip
         written = await task.step()
         decision = written["decodeRecommendation"]
+        prefill_decision = written["prefillRecommendation"]
+        # 50 prompts a second of 1000 tokens keep more than two prefill pods busy; the router's
+        # prefill bounds (the pool's prefill.min/maxReplicas) cap it at 2.
+        assert prefill_decision["replicas"] == 2, prefill_decision
         # 50 req/s needs 9 pods of this profile; the router's own bounds (rendered from the
         # pool's) cap its recommendation at 3.
         assert decision["replicas"] == 3 and "-> 9" in decision["reason"]
@@ -112,6 +129,7 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
         pool = kubectl_json(cluster, "dpool", "small", "-n", "scale")
         # On the status subresource, as the router's report; never on the pool's metadata.
         assert pool["status"]["router"]["decodeRecommendation"] == decision
+        assert pool["status"]["router"]["prefillRecommendation"] == prefill_decision
         assert "disaggpool.io/decode-recommendation" not in pool["metadata"].get("annotations", {})
 
         # Its Role lets it patch its own pool's status and nothing else: not its spec (what the
@@ -142,13 +160,19 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
 
         await reconcile(kube, "scale", "small", default_image="disaggpool:test")
         assert kubectl_json(cluster, *deployment)["spec"]["replicas"] == 3
+        assert kubectl_json(cluster, *prefill_deployment)["spec"]["replicas"] == 2
         status = kubectl_json(cluster, "dpool", "small", "-n", "scale")["status"]
         assert status["autoscaling"]["replicas"] == 3
         assert status["autoscaling"]["recommendedReplicas"] == 3
         assert status["autoscaling"]["reason"] == decision["reason"]
+        assert status["autoscaling"]["prefill"]["replicas"] == 2
+        assert status["autoscaling"]["prefill"]["reason"] == prefill_decision["reason"]
+        assert status["prefill"]["desired"] == 2
         events = kubectl_json(cluster, "events", "-n", "scale")["items"]
         scaled = [e["message"] for e in events if e["reason"] == "DecodeScaled"]
         assert any(m.startswith("decode 1 -> 3") for m in scaled), scaled
+        scaled = [e["message"] for e in events if e["reason"] == "PrefillScaled"]
+        assert any(m.startswith("prefill 1 -> 2") for m in scaled), scaled
 
         # A bad autoscaling spec: Degraded, naming the field; the pool keeps running as it is.
         cluster.kubectl(
@@ -166,11 +190,16 @@ async def test_decode_autoscaling_from_the_routers_recommendation(
         # through the scale subresource.
         cluster.kubectl(
             "patch", "dpool", "small", "-n", "scale", "--type=merge",
-            "-p", json.dumps({"spec": {"decode": {"minReplicas": 1}, "autoscaling": None}}),
+            "-p", json.dumps({"spec": {
+                "decode": {"minReplicas": 1}, "autoscaling": None,
+                # Prefill bounds need autoscaling: without it prefill takes replicas again.
+                "prefill": {"minReplicas": None, "maxReplicas": None},
+            }}),
         )  # fmt: skip
         cluster.kubectl("scale", "dpool", "small", "-n", "scale", "--replicas=2")
         await reconcile(kube, "scale", "small", default_image="disaggpool:test")
         assert kubectl_json(cluster, *deployment)["spec"]["replicas"] == 2
+        assert kubectl_json(cluster, *prefill_deployment)["spec"]["replicas"] == 1
         scale = json.loads(
             cluster.kubectl(
                 "get",

@@ -1,4 +1,5 @@
-"""Decode autoscaling in the operator's pure half: the spec, the recommendation, the rendering."""
+"""Autoscaling in the operator's pure half (decode, and prefill with prefill.maxReplicas): the
+spec, the recommendations, the rendering."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import pytest
 import yaml
 from operator_testkit import load_sample
 
-from disaggpool.labels import DECODE_RECOMMENDATION_KEY
+from disaggpool.labels import DECODE_RECOMMENDATION_KEY, PREFILL_RECOMMENDATION_KEY
 from disaggpool.operator.names import PoolRef
 from disaggpool.operator.render import ROUTER_CONFIG_KEY, render_pool
-from disaggpool.operator.scaling import decode_scale, read_recommendation, with_decode_replicas
+from disaggpool.operator.scaling import (
+    pool_scale,
+    read_recommendation,
+    role_scale,
+    with_replicas,
+)
 from disaggpool.operator.spec import PoolSpec, parse_spec
 from disaggpool.sidecar.config import parse_config
 from disaggpool.sidecar.service import RoutingService
@@ -19,19 +25,27 @@ from disaggpool.sidecar.service import RoutingService
 POOL = PoolRef("small", "serving", "uid-1", 1)
 
 
-def spec(**autoscaling: Any) -> PoolSpec:
+def spec(prefill: dict[str, Any] | None = None, **autoscaling: Any) -> PoolSpec:
     doc = load_sample("small.yaml")["spec"]
     doc["decode"] = {"replicas": 2, "minReplicas": 1, "maxReplicas": 4}
+    if prefill is not None:
+        doc["prefill"] = prefill
     doc["autoscaling"] = {"enabled": True, **autoscaling}
     parsed, issues = parse_spec(doc, "img")
     assert parsed is not None, issues
     return parsed
 
 
-def rec(replicas: object, reason: str = "busy") -> dict[str, Any]:
+def rec(
+    replicas: object, reason: str = "busy", key: str = DECODE_RECOMMENDATION_KEY
+) -> dict[str, Any]:
     """The router's report (`status.router`) with a recommendation."""
     body = {"replicas": replicas, "reason": reason, "at": "2026-12-04T12:00:00+00:00"}
-    return {DECODE_RECOMMENDATION_KEY: body}
+    return {key: body}
+
+
+def decode_scale(s: PoolSpec, report: dict[str, Any], previous: Any = None) -> Any:
+    return role_scale(s, "decode", report, previous)
 
 
 def test_the_recommendation_is_applied_within_the_bounds() -> None:
@@ -127,11 +141,105 @@ def test_the_rendered_router_config_carries_the_autoscaler_and_parses() -> None:
 
 
 def test_the_decode_deployment_is_rendered_at_the_applied_count() -> None:
-    s = with_decode_replicas(spec(), 3)
+    s = with_replicas(spec(), "decode", 3)
     decode = next(
         o
         for o in render_pool(POOL, s)
         if o["kind"] == "Deployment" and o["metadata"]["name"] == "small-decode"
     )
     assert decode["spec"]["replicas"] == 3
-    assert with_decode_replicas(s, 3) is s
+    assert with_replicas(s, "decode", 3) is s
+
+
+SCALED_PREFILL = {"replicas": 2, "minReplicas": 1, "maxReplicas": 5}
+
+
+def test_prefill_follows_its_recommendation_within_its_own_bounds() -> None:
+    s = spec(SCALED_PREFILL)
+    report = {**rec(3), **rec(9, "long prompts", PREFILL_RECOMMENDATION_KEY)}
+    scale = pool_scale(s, report)
+    assert scale.decode.replicas == 3 and scale.prefill is not None
+    assert scale.prefill.replicas == 5  # prefill's bounds (1..5), not decode's (1..4)
+    assert scale.prefill.reason == "long prompts (router asked 9, bounds 1..5)"
+    assert pool_scale(s, rec(0, key=PREFILL_RECOMMENDATION_KEY)).prefill.replicas == 1  # type: ignore[union-attr]
+    status = scale.status()
+    # Decode's fields stay at the top of status.autoscaling; prefill's are beside them.
+    assert (status["replicas"], status["recommendedReplicas"]) == (3, 3)
+    assert status["prefill"]["replicas"] == 5 and status["prefill"]["recommendedReplicas"] == 9
+    applied = scale.apply(s)
+    assert (applied.prefill.replicas, applied.decode.replicas) == (5, 3)
+    deployments = {
+        o["metadata"]["name"]: o["spec"]["replicas"]
+        for o in render_pool(POOL, applied)
+        if o["kind"] == "Deployment"
+    }
+    assert deployments["small-prefill"] == 5 and deployments["small-decode"] == 3
+
+
+def test_prefill_without_max_replicas_keeps_its_replicas() -> None:
+    s = spec({"replicas": 2})
+    scale = pool_scale(s, {**rec(3), **rec(9, key=PREFILL_RECOMMENDATION_KEY)})
+    assert scale.prefill is None and "prefill" not in scale.status()
+    assert scale.apply(s).prefill.replicas == 2
+    first = pool_scale(spec(SCALED_PREFILL), rec(3)).prefill
+    assert first is not None and (first.replicas, first.source) == (2, "spec")
+    assert "no recommendation from the router yet: prefill.replicas" in first.reason
+
+
+def test_a_bad_prefill_recommendation_keeps_the_prefill_count() -> None:
+    bad = {PREFILL_RECOMMENDATION_KEY: {"replicas": -2}}
+    got, error = read_recommendation(bad, "prefill")
+    assert got is None and "status.router.prefillRecommendation" in error
+    previous = {"replicas": 3, "source": "autoscaler", "prefill": {"replicas": 4,
+                "source": "autoscaler"}}  # fmt: skip
+    scale = pool_scale(spec(SCALED_PREFILL), {**rec(2), **bad}, previous)
+    assert scale.prefill is not None and scale.prefill.replicas == 4
+    assert scale.prefill.error == error and scale.decode.replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "prefill", "field", "message"),
+    [
+        (None, {"replicas": 1, "maxReplicas": 3}, "prefill.maxReplicas", "autoscaling.enabled"),
+        ({"enabled": True}, {"replicas": 1, "minReplicas": 1}, "prefill.minReplicas", "both"),
+        ({"enabled": True}, {"replicas": 4, "minReplicas": 1, "maxReplicas": 3}, "prefill.replicas",
+         "outside"),
+        ({"enabled": True}, {"replicas": 0, "maxReplicas": 0}, "autoscaling.enabled",
+         "prefill.maxReplicas >= 1"),
+        ({"enabled": True}, {"maxReplicas": 3, "variants": [{"name": "a"}, {"name": "b"}]},
+         "autoscaling.enabled", "a single prefill variant"),
+        ({"enabled": True, "minHeadroom": -0.5}, None, "autoscaling.minHeadroom", ">= 0"),
+        ({"enabled": True, "minHeadroom": 11}, None, "autoscaling.minHeadroom", "at most 10"),
+    ],
+)  # fmt: skip
+def test_bad_prefill_bounds_name_their_field(
+    autoscaling: dict[str, Any] | None, prefill: dict[str, Any] | None, field: str, message: str
+) -> None:
+    doc = load_sample("small.yaml")["spec"]
+    if autoscaling is not None:
+        doc["autoscaling"] = autoscaling
+    if prefill is not None:
+        doc["prefill"] = prefill
+    _, issues = parse_spec(doc, "img")
+    messages = {i.field: i.message for i in issues}
+    assert message in messages.get(field, ""), messages
+
+
+def test_prefill_bounds_with_autoscaling_parse() -> None:
+    s = spec(SCALED_PREFILL, minHeadroom=0.25)
+    assert (s.prefill.min_replicas, s.prefill.max_replicas) == (1, 5)
+    assert s.autoscaling.min_headroom == 0.25
+    assert spec({"replicas": 2}).prefill.max_replicas is None  # not autoscaled
+
+
+def test_the_rendered_router_config_carries_the_prefill_bounds_and_headroom() -> None:
+    def rendered(s: PoolSpec) -> Any:
+        cm = next(o for o in render_pool(POOL, s) if o["kind"] == "ConfigMap")
+        a = parse_config(yaml.safe_load(cm["data"][ROUTER_CONFIG_KEY]), "rendered").autoscaling
+        assert a is not None
+        return a
+
+    a = rendered(spec(SCALED_PREFILL, minHeadroom=0.5))
+    assert a.prefill is not None and (a.prefill.min_replicas, a.prefill.max_replicas) == (1, 5)
+    assert a.min_headroom == 0.5 and (a.min_replicas, a.max_replicas) == (1, 4)
+    assert rendered(spec()).prefill is None  # prefill not autoscaled: no prefill recommendation

@@ -274,8 +274,30 @@ def test_members_name_their_kv_events_endpoint() -> None:
             {"min_replicas": 1, "max_replicas": 3, "burst_window_s": 60},
             "autoscaling.burst_window_s",
         ),
+        ({"min_replicas": 1, "max_replicas": 3, "min_headroom": -0.1}, "autoscaling.min_headroom"),
+        ({"min_replicas": 1, "max_replicas": 3, "min_headroom": 11}, "autoscaling.min_headroom"),
+        ({"min_replicas": 1, "max_replicas": 3, "min_headroom": "x"}, "autoscaling.min_headroom"),
+        ({"min_replicas": 1, "max_replicas": 3, "prefill": 2}, "autoscaling.prefill"),
+        (
+            {"min_replicas": 1, "max_replicas": 3, "prefill": {"min_replicas": 1}},
+            "autoscaling.prefill.max_replicas",
+        ),
+        (
+            {"min_replicas": 1, "max_replicas": 3, "prefill": {"max_replicas": 2}},
+            "autoscaling.prefill.min_replicas",
+        ),
+        (
+            {"min_replicas": 1, "max_replicas": 3,
+             "prefill": {"min_replicas": 3, "max_replicas": 2}},
+            "autoscaling.prefill.max_replicas",
+        ),
+        (
+            {"min_replicas": 1, "max_replicas": 3,
+             "prefill": {"min_replicas": 1, "max_replicas": 2, "step": 1}},
+            "autoscaling.prefill.step",
+        ),
     ],
-)
+)  # fmt: skip
 def test_autoscaling_settings_are_checked(autoscaling: dict[str, Any], field: str) -> None:
     with pytest.raises(InputError) as err:
         parse_config({**BASE, "autoscaling": autoscaling}, "sidecar.yaml")
@@ -288,6 +310,16 @@ def test_autoscaling_defaults() -> None:
     assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 15)
     assert a.burst_window_s == 600
     assert a.pool_name == ""  # metrics only: nothing is written anywhere
+    assert a.min_headroom == 0.0 and a.prefill is None  # no prefill recommendation
+
+
+def test_autoscaling_prefill_bounds_and_headroom() -> None:
+    raw = {"min_replicas": 1, "max_replicas": 5, "min_headroom": 0.3,
+           "prefill": {"min_replicas": 0, "max_replicas": 4}}  # fmt: skip
+    a = parse_config({**BASE, "autoscaling": raw}).autoscaling
+    assert a is not None and a.min_headroom == 0.3
+    assert a.prefill is not None and (a.prefill.min_replicas, a.prefill.max_replicas) == (0, 4)
+    assert (a.min_replicas, a.max_replicas) == (1, 5)  # decode's, untouched
 
 
 @pytest.mark.parametrize(

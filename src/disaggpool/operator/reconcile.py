@@ -53,7 +53,7 @@ from disaggpool.operator.observed import (
     router_report,
 )
 from disaggpool.operator.render import render_pool
-from disaggpool.operator.scaling import DecodeScale, decode_scale, with_decode_replicas
+from disaggpool.operator.scaling import PoolScale, pool_scale, previous_role_status
 from disaggpool.operator.spec import PoolSpec, SpecIssue, check_pool_name, parse_spec
 from disaggpool.operator.status import compute_status
 
@@ -149,6 +149,12 @@ _NOT_OURS = frozenset({ROUTER_STATUS_KEY, "kopf"})
 
 def _status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     patch = {k: v for k, v in new.items() if old.get(k) != v and k not in _NOT_OURS}
+    for key, value in patch.items():
+        was = old.get(key)
+        if isinstance(value, Mapping) and isinstance(was, Mapping):
+            # A merge patch merges objects: a key the new one lacks (status.autoscaling's
+            # `prefill` once prefill is no longer scaled, an `error` fixed) must be nulled.
+            patch[key] = {**value, **{k: None for k in was if k not in value}}
     for key in old:
         if key not in new and key not in _NOT_OURS:
             patch[key] = None
@@ -172,7 +178,7 @@ async def reconcile(
     """Bring pool `namespace/name` to its spec; a no-op when it is gone or already there.
     `default_image`, `default_mode`: the operator's defaults (`spec.parse_spec`)."""
     result = ReconcileResult()
-    scale: DecodeScale | None = None
+    scale: PoolScale | None = None
     cr = await kube.get(pool_path(namespace, name))
     if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
         return result  # deletion is the garbage collector's job (owner references)
@@ -224,9 +230,9 @@ async def reconcile(
                 if _ident(obj) == probe_role and await _apply(kube, obj) == "updated":
                     result.updated.append(_ident(obj))
     elif spec is not None:
-        scale = decode_scale(spec, report, previous.get("autoscaling"))
+        scale = pool_scale(spec, report, previous.get("autoscaling"))
         await _note_scale(scale, previous, note)
-        desired = render_pool(pool, with_decode_replicas(spec, scale.replicas), engine_pods)
+        desired = render_pool(pool, scale.apply(spec), engine_pods)
         outcomes = {}
         # In waves: a RoleBinding is refused (404) until its Role exists, and pods should not
         # start before their ServiceAccount and config exist. Within a wave, in parallel.
@@ -293,8 +299,8 @@ async def reconcile(
         await _execute(kube, pool, plan, result, note, previous)
 
     if effective is not None and scale is None:  # an invalid spec: the last one applied runs
-        scale = decode_scale(effective, report, previous.get("autoscaling"))
-    in_force = with_decode_replicas(effective, scale.replicas) if effective and scale else None
+        scale = pool_scale(effective, report, previous.get("autoscaling"))
+    in_force = scale.apply(effective) if effective and scale else None
     status = compute_status(
         pool, in_force, issues, applied_generation, pods, plan, router_ready, previous, now
     )
@@ -307,14 +313,18 @@ async def reconcile(
     return result
 
 
-async def _note_scale(scale: DecodeScale, previous: Mapping[str, Any], note: Any) -> None:
-    """An Event when the decode count this pass renders differs from the last one reported
-    (the first pass reports the initial count), or a recommendation fails to parse."""
-    before = (previous.get("autoscaling") or {}).get("replicas")
-    if scale.error and (previous.get("autoscaling") or {}).get("error") != scale.error:
-        await note("InvalidRecommendation", scale.error, warning=True)
-    if scale.source == "autoscaler" and before is not None and before != scale.replicas:
-        await note("DecodeScaled", f"decode {before} -> {scale.replicas}: {scale.reason}")
+async def _note_scale(scale: PoolScale, previous: Mapping[str, Any], note: Any) -> None:
+    """Per role, an Event (DecodeScaled, PrefillScaled) when the count this pass renders
+    differs from the last one reported (the first pass reports the initial count), or a
+    recommendation fails to parse."""
+    for rs in scale.roles:
+        last = previous_role_status(previous.get("autoscaling"), rs.role)
+        before = last.get("replicas")
+        if rs.error and last.get("error") != rs.error:
+            await note("InvalidRecommendation", rs.error, warning=True)
+        if rs.source == "autoscaler" and before is not None and before != rs.replicas:
+            reason = f"{rs.role.capitalize()}Scaled"
+            await note(reason, f"{rs.role} {before} -> {rs.replicas}: {rs.reason}")
 
 
 async def _prune(kube: Kube, pool: PoolRef, keep: set[str]) -> list[str]:

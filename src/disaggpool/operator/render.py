@@ -419,8 +419,11 @@ def _pool_ref(pool: PoolRef) -> dict[str, str]:
 
 
 def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
-    """The router's decode autoscaler: its bounds, timing, and the pool it writes to."""
+    """The router's autoscalers: decode's bounds, prefill's when prefill is autoscaled
+    (`prefill.maxReplicas` set), their timing and headroom, and the pool they write to."""
     a = spec.autoscaling
+    p = spec.prefill
+    prefill = {"min_replicas": p.min_replicas or 0, "max_replicas": p.max_replicas}
     return {
         "pool": _pool_ref(pool),
         "min_replicas": spec.decode.min_replicas or 0,
@@ -429,6 +432,8 @@ def _autoscaling_config(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
         "stabilization_s": a.stabilization_window_s,
         "burst_window_s": a.burst_window_s,
         "target_goodput": a.target_goodput,
+        "min_headroom": a.min_headroom,
+        **({"prefill": prefill} if p.max_replicas is not None else {}),
     }
 
 

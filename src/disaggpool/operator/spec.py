@@ -70,6 +70,9 @@ MANAGED_VLLM_FLAGS = (
 # (<= 63 characters); pod names add ~17 characters of hashes to it.
 MAX_POOL_NAME = 30
 MAX_VARIANT_NAME = 12
+#: The largest `autoscaling.minHeadroom`: the router's scalers refuse more (core.autoscaling,
+#: core.prefill_scaling), as does the router's config (`sidecar.config.MAX_HEADROOM`).
+MAX_HEADROOM = 10.0
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 #: `engine.podSecurity`: the Pod Security Standard the vLLM pods are rendered to pass.
@@ -230,17 +233,20 @@ class CalibrationSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
-    """Decode autoscaling (docs/operator.md, "Autoscaling"): the router computes the decode
-    replicas the traffic needs (`core.autoscaling`) and writes them on the pool; the operator
-    applies them within decode.min/maxReplicas. `startup_s`: a new decode pod's cold start
-    (engine load and calibration), how far ahead the autoscaler looks. `burst_window_s`: the
-    traffic the router's burstiness is measured over; no scale-down before it has seen that much."""
+    """Autoscaling (docs/operator.md, "Autoscaling"): the router computes the decode replicas
+    the traffic needs (`core.autoscaling`), and the prefill replicas when prefill.maxReplicas is
+    set (`core.prefill_scaling`), and writes them on the pool; the operator applies each within
+    that role's min/maxReplicas. `startup_s`: a new pod's cold start (engine load and
+    calibration), how far ahead the autoscalers look. `burst_window_s`: the traffic the router's
+    burstiness is measured over; no scale-down before it has seen that much. `min_headroom`: the
+    floor both keep over the offered load (pods >= (1 + min_headroom) x busy)."""
 
     enabled: bool = False
     target_goodput: float = 0.9
     stabilization_window_s: int = 300
     startup_s: int = 120
     burst_window_s: int = BURST_WINDOW_DEFAULT_S
+    min_headroom: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,7 +364,10 @@ def _role(doc: Section, role: str) -> RoleSpec:
     if variants and "replicas" in sec:
         sec.problem("replicas", "give replicas per variant when variants are listed")
     spec = RoleSpec(role=role, variants=tuple(variants) or (base,))
-    if role == "decode":
+    # Decode always has bounds (its replicas when not given); prefill has them only when
+    # `maxReplicas` is given, which is what makes prefill autoscaled (backward compatible:
+    # a pool without them keeps prefill.replicas exactly). `parse_spec` checks the rest.
+    if role == "decode" or "maxReplicas" in sec:
         lo = sec.integer("minReplicas", spec.replicas, minimum=0)
         hi = sec.integer("maxReplicas", max(spec.replicas, lo), minimum=0)
         if lo > hi:
@@ -368,8 +377,8 @@ def _role(doc: Section, role: str) -> RoleSpec:
                 "replicas", f"{spec.replicas} is outside [minReplicas {lo}, maxReplicas {hi}]"
             )
         spec = dataclasses.replace(spec, min_replicas=lo, max_replicas=hi)
-    elif "minReplicas" in sec or "maxReplicas" in sec:
-        sec.problem("minReplicas", "only decode is autoscaled; prefill takes replicas")
+    elif "minReplicas" in sec:
+        sec.problem("minReplicas", "prefill is autoscaled only with maxReplicas: give both")
     return spec
 
 
@@ -552,14 +561,22 @@ def parse_spec(
         burst_window_s=a.integer(
             "burstWindowSeconds", BURST_WINDOW_DEFAULT_S, minimum=BURST_WINDOW_MIN_S
         ),
+        min_headroom=a.number("minHeadroom", 0.0),
     )
     if not 0.5 <= autoscaling.target_goodput < 1:
         a.problem("targetGoodput", "a fraction of requests in [0.5, 1)")
+    if autoscaling.min_headroom > MAX_HEADROOM:
+        a.problem("minHeadroom", f"at most {MAX_HEADROOM:g}, got {autoscaling.min_headroom}")
     if autoscaling.enabled:
-        if len(decode.variants) > 1:
-            a.problem("enabled", "decode autoscaling needs a single decode variant")
-        if (decode.max_replicas or 0) < 1:
-            a.problem("enabled", "decode autoscaling needs decode.maxReplicas >= 1")
+        for role in (decode, prefill):
+            if role.max_replicas is None:  # prefill without bounds: not autoscaled
+                continue
+            if len(role.variants) > 1:
+                a.problem("enabled", f"{role.role} autoscaling needs a single {role.role} variant")
+            if role.max_replicas < 1:
+                a.problem("enabled", f"{role.role} autoscaling needs {role.role}.maxReplicas >= 1")
+    elif prefill.max_replicas is not None:
+        spec.problem("prefill.maxReplicas", "prefill bounds need autoscaling.enabled")
 
     auth = AuthSpec(api_key=_secret_ref(spec.section("auth"), "apiKeySecret", "api-key"))
     network_policy = _network_policy(spec)

@@ -25,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disaggpool.sidecar.auth import KeyFile, TokenInterceptor, server_credentials
-from disaggpool.sidecar.autoscale import DecodeRecommender
+from disaggpool.sidecar.autoscale import DecodeRecommender, PrefillRecommender
 from disaggpool.sidecar.collectors import Collectors
 from disaggpool.sidecar.config import SidecarConfig, is_loopback
 from disaggpool.sidecar.epp import EXT_PROC_SERVICE, ExtProcServicer
@@ -250,13 +250,16 @@ async def _publish_epp_health(
 def _pool_writer(
     config: SidecarConfig, service: RoutingService, session: aiohttp.ClientSession
 ) -> PoolWriter | None:
-    """What the router tells the operator on its pool: the decode recommendation and the pods'
-    drift errors, as configured; None when neither is."""
+    """What the router tells the operator on its pool: the decode (and, with
+    ``autoscaling.prefill``, prefill) recommendation and the pods' drift errors, as configured;
+    None when neither is."""
     sources: list[AnnotationSource] = []
     period, namespace, name = 15.0, "", ""
     if config.autoscaling is not None:
         a = config.autoscaling
         sources.append(DecodeRecommender(a, service))
+        if a.prefill is not None:
+            sources.append(PrefillRecommender(a, service))
         period, namespace, name = a.period_s, a.pool_namespace, a.pool_name
     if config.drift is not None:
         d = config.drift

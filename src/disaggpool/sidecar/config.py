@@ -51,6 +51,7 @@ __all__ = [
     "GrpcTLS",
     "KubernetesSource",
     "Member",
+    "ReplicaBounds",
     "SidecarConfig",
     "TokenizerConfig",
     "is_loopback",
@@ -85,10 +86,25 @@ class KVEventsSource:
     stale_after_s: float = 10.0
 
 
+#: The largest `autoscaling.min_headroom`: the scalers refuse more (core.autoscaling,
+#: core.prefill_scaling), so the config does at startup rather than the first recommendation.
+MAX_HEADROOM = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaBounds:
+    """One role's autoscaling bounds (``autoscaling.prefill``)."""
+
+    min_replicas: int
+    max_replicas: int
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AutoscalingConfig:
-    """The router's decode autoscaler (`sidecar.autoscale`): its bounds and timing, and the
-    DisaggPool it writes its recommendation on (none: metrics only)."""
+    """The router's autoscalers (`sidecar.autoscale`): decode's bounds (`min_replicas`,
+    `max_replicas`), prefill's when `prefill` is set (None: no prefill recommendation), the
+    timing both share, the floor `min_headroom` both keep over the offered load, and the
+    DisaggPool they write their recommendations on (none: metrics only)."""
 
     min_replicas: int
     max_replicas: int
@@ -99,6 +115,8 @@ class AutoscalingConfig:
     period_s: float = 15.0
     pool_namespace: str = ""
     pool_name: str = ""
+    min_headroom: float = 0.0
+    prefill: ReplicaBounds | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -371,12 +389,10 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
 def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
     a = rd.mapping(raw, "autoscaling")
     keys = {"min_replicas", "max_replicas", "startup_s", "stabilization_s", "burst_window_s"}
-    rd.known(a, "autoscaling", keys | {"target_goodput", "period_s", "pool"})
-    for key in ("min_replicas", "max_replicas"):
-        if key not in a:
-            raise rd.fail(f"autoscaling.{key}", "required")
-    lo = rd.integer(a["min_replicas"], "autoscaling.min_replicas", minimum=0)
-    hi = rd.integer(a["max_replicas"], "autoscaling.max_replicas", minimum=max(1, lo))
+    rd.known(
+        a, "autoscaling", keys | {"target_goodput", "period_s", "pool", "min_headroom", "prefill"}
+    )
+    lo, hi = _replica_bounds(rd, a, "autoscaling")
     target = rd.number(a.get("target_goodput", 0.9), "autoscaling.target_goodput", positive=True)
     if not 0.5 <= target < 1:
         raise rd.fail("autoscaling.target_goodput", f"must be in [0.5, 1), got {target}")
@@ -394,10 +410,32 @@ def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
         target_goodput=target,
         period_s=rd.number(a.get("period_s", 15.0), "autoscaling.period_s", positive=True),
     )
+    headroom = rd.number(a.get("min_headroom", 0.0), "autoscaling.min_headroom")
+    if headroom > MAX_HEADROOM:  # the scalers' own limit (core.autoscaling)
+        raise rd.fail(
+            "autoscaling.min_headroom", f"must be at most {MAX_HEADROOM:g}, got {headroom}"
+        )
+    out = dataclasses.replace(out, min_headroom=headroom)
+    if "prefill" in a:
+        p = rd.mapping(a["prefill"], "autoscaling.prefill")
+        rd.known(p, "autoscaling.prefill", {"min_replicas", "max_replicas"})
+        out = dataclasses.replace(
+            out, prefill=ReplicaBounds(*_replica_bounds(rd, p, "autoscaling.prefill"))
+        )
     if "pool" in a:
         ns, name = _pool_ref(rd, a["pool"], "autoscaling.pool")
         out = dataclasses.replace(out, pool_namespace=ns, pool_name=name)
     return out
+
+
+def _replica_bounds(rd: FieldReader, raw: Mapping[str, Any], path: str) -> tuple[int, int]:
+    """``min_replicas`` and ``max_replicas`` of `raw` (both required; 1 <= max >= min)."""
+    for key in ("min_replicas", "max_replicas"):
+        if key not in raw:
+            raise rd.fail(f"{path}.{key}", "required")
+    lo = rd.integer(raw["min_replicas"], f"{path}.min_replicas", minimum=0)
+    hi = rd.integer(raw["max_replicas"], f"{path}.max_replicas", minimum=max(1, lo))
+    return lo, hi
 
 
 def _drift(rd: FieldReader, raw: Any) -> DriftConfig:

@@ -27,7 +27,8 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   scrape time), `disaggpool_demand_decode_context_tokens` and `disaggpool_demand_decode_context_cv`
   (the mean and CV of the context a decoding sequence holds, each request weighted by its output
   tokens: the spread the decode autoscaler's headroom is sized by); with `autoscaling`:
-  `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends);
+  `disaggpool_autoscaler_desired_decode_replicas` (what the decode autoscaler recommends),
+  with `autoscaling.prefill` `disaggpool_autoscaler_desired_prefill_replicas` (the prefill one's);
   `disaggpool_pod_prediction_error{pod}` (the pod's drift error, `core.drift`: median relative
   error of its recent TTFT or TPOT predictions, the larger) and
   `disaggpool_pool_status_failures_total` (failed writes of `status.router` on the pool,
@@ -250,6 +251,10 @@ class SidecarMetrics:
         self.desired_decode = Gauge(
             "disaggpool_autoscaler_desired_decode_replicas",
             "decode replicas the router's autoscaler recommends", registry=r,
+        )  # fmt: skip
+        self.desired_prefill = Gauge(
+            "disaggpool_autoscaler_desired_prefill_replicas",
+            "prefill replicas the router's autoscaler recommends", registry=r,
         )  # fmt: skip
         self.pod_prediction_error = Gauge(
             "disaggpool_pod_prediction_error",

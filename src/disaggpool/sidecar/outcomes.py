@@ -7,8 +7,9 @@ routing service (`sidecar.service`) then hands the request's entry here, which f
   shed; aborted ones, which the client ended, stay out of goodput);
 * traffic heterogeneity: the coefficient of variation of prompt + output tokens over a sliding
   window (`core.heterogeneity`), which the decode autoscaler reads;
-* demand: arrivals, token volumes and how far each request was from its targets
-  (`core.demand.DemandWindow`, what the decode autoscaler sizes the pool from);
+* demand: arrivals, the routed mix (prompts, predicted outputs, local prefills), token volumes
+  and how far each request was from its targets (`core.demand.DemandWindow`, what the
+  autoscalers size the pools from);
 * predicted-vs-observed error of TTFT and TPOT, per pod in `core.drift` (the TTFT is the
   prefilling pod's doing, the decode pod's on the local path), which distrusts a profile its own
   requests contradict (`sidecar.profile_trust`) and asks the operator to re-probe.
@@ -44,6 +45,10 @@ class Outcomes:
 
     def arrived(self, now: float) -> None:
         self.demand.arrived(now)
+
+    def admitted(self, now: float, prompt: int, predicted_output: float, *, local: bool) -> None:
+        """A request was routed (after `arrived`); `local`: its decode pod prefills it."""
+        self.demand.admitted(now, prompt, predicted_output, local=local)
 
     def finished(
         self,

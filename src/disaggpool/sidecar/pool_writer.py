@@ -1,7 +1,8 @@
 """What the router tells the operator, written on its own DisaggPool's status: ``status.router``.
 
-Two sources, each optional: the decode autoscaler's recommendation (`sidecar.autoscale`,
-``status.router.decodeRecommendation``: ``{"replicas", "reason", "at"}``) and the per-pod
+Sources, each optional: the autoscalers' recommendations (`sidecar.autoscale`,
+``status.router.decodeRecommendation`` and ``status.router.prefillRecommendation``:
+``{"replicas", "reason", "at"}``) and the per-pod
 prediction error (`DriftReport`, ``status.router.observedErrors``: ``{"pods": [{"pod": POD,
 "error": E, "profile": FITTED_AT}], "at"}``, the median relative error of the pod's recent
 predictions and the profile it is about; a list, so that each write replaces the last whole).

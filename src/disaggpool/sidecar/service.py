@@ -143,7 +143,7 @@ class RoutingService:
         self.rng = random.Random(seed)
         self.clock = clock
         events = config.kv_events
-        # What the decode autoscaler reads (sidecar.autoscale).
+        # What the autoscalers read (sidecar.autoscale).
         scaling = config.autoscaling
         self.demand = DemandWindow(
             burst_window_s=scaling.burst_window_s if scaling else BURST_WINDOW_DEFAULT_S
@@ -239,6 +239,14 @@ class RoutingService:
                 f"class {slo.name!r} is sheddable and no pod can serve this request within its "
                 f"SLO now (predicted TTFT {decision.predicted_ttft_s or 0.0:.3f} s)"
             )
+        # What the autoscalers size the pools by: the prompt (prefill work), the predicted
+        # output (decode work), and whether the decode pod prefills it itself.
+        self.outcomes.admitted(
+            now,
+            prompt_tokens,
+            placed.features.predicted_output_tokens,
+            local=decision.prefill is None,
+        )
         self._account(decision, bound=not placed.late)
         instances = self.state.instances
         p = instances[decision.prefill] if decision.prefill is not None else None
