@@ -307,7 +307,7 @@ def test_autoscaling_settings_are_checked(autoscaling: dict[str, Any], field: st
 def test_autoscaling_defaults() -> None:
     a = parse_config({**BASE, "autoscaling": {"min_replicas": 1, "max_replicas": 5}}).autoscaling
     assert a is not None
-    assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 15)
+    assert (a.startup_s, a.stabilization_s, a.target_goodput, a.period_s) == (120, 300, 0.9, 5)
     assert a.burst_window_s == 600
     assert a.pool_name == ""  # metrics only: nothing is written anywhere
     assert a.min_headroom == 0.0 and a.prefill is None  # no prefill recommendation

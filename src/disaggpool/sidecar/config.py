@@ -99,6 +99,12 @@ class ReplicaBounds:
     max_replicas: int
 
 
+#: How often the autoscalers recommend: every 5 s, as in the simulator, since the decode
+#: scaler's occupancy trend needs a few points within its 30 s span to see a pool filling
+#: (core.autoscaling.OCCUPANCY_SPAN_S).
+AUTOSCALING_PERIOD_S = 5.0
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AutoscalingConfig:
     """The router's autoscalers (`sidecar.autoscale`): decode's bounds (`min_replicas`,
@@ -112,7 +118,7 @@ class AutoscalingConfig:
     stabilization_s: float = 300.0
     burst_window_s: float = BURST_WINDOW_DEFAULT_S
     target_goodput: float = 0.9
-    period_s: float = 15.0
+    period_s: float = AUTOSCALING_PERIOD_S
     pool_namespace: str = ""
     pool_name: str = ""
     min_headroom: float = 0.0
@@ -408,7 +414,9 @@ def _autoscaling(rd: FieldReader, raw: Any) -> AutoscalingConfig:
         stabilization_s=rd.number(a.get("stabilization_s", 300.0), "autoscaling.stabilization_s"),
         burst_window_s=burst,
         target_goodput=target,
-        period_s=rd.number(a.get("period_s", 15.0), "autoscaling.period_s", positive=True),
+        period_s=rd.number(
+            a.get("period_s", AUTOSCALING_PERIOD_S), "autoscaling.period_s", positive=True
+        ),
     )
     headroom = rd.number(a.get("min_headroom", 0.0), "autoscaling.min_headroom")
     if headroom > MAX_HEADROOM:  # the scalers' own limit (core.autoscaling)
