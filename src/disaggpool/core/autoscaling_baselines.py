@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from statistics import median
+from typing import Protocol
 
 from disaggpool.core.autoscaling import (
     Bounds,
@@ -64,7 +65,6 @@ __all__ = [
     "LlmdSlo",
     "LlmdToken",
     "LlmdTokenPrefill",
-    "PrefillAutoscaler",
     "StaticPeak",
     "make_autoscaler",
     "make_prefill_autoscaler",
@@ -215,7 +215,13 @@ AUTOSCALERS = (
     "disaggpool",
 )
 
-Autoscaler = StaticPeak | KedaQueue | LlmdToken | LlmdSlo | DynamoPlanner | HeterogeneityScaler
+
+class Autoscaler(Protocol):
+    """What the simulator and the router need of any autoscaler, of either role."""
+
+    name: str
+
+    def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision: ...
 
 
 def make_autoscaler(
@@ -274,18 +280,13 @@ class DynamoPrefillPlanner:
         )
 
 
-PrefillAutoscaler = (
-    StaticPeak | KedaQueue | LlmdTokenPrefill | LlmdSlo | DynamoPrefillPlanner | PrefillScaler
-)
-
-
 def make_prefill_autoscaler(
     name: str,
     bounds: Bounds,
     profiles: Sequence[CalibrationProfile],
     ttft_s: float,
     target_goodput: float = 0.9,
-) -> PrefillAutoscaler:
+) -> Autoscaler:
     """The prefill counterpart of autoscaler `name` (`AUTOSCALERS`; module docstring);
     `profiles`: the prefill pool's calibrated ones, `ttft_s`: the tightest TTFT target."""
     if name == "static_peak":

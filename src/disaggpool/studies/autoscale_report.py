@@ -38,9 +38,9 @@ def tables(doc: dict[str, Any]) -> str:
 
 
 def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
-    """Per traffic shape: decode pods over time for each autoscaler (first seed, lines offset
-    slightly) under the arrival rate; and one chart of goodput against GPU-hours, error bars
-    over seeds."""
+    """Per traffic shape: decode pods (and prefill pods, dashed, where they are scaled) over time
+    for each autoscaler (first seed, lines offset slightly) under the arrival rate; and one chart
+    of goodput against GPU-hours, error bars over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,11 +63,15 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
             # Offset each line a little so that equal counts stay visible side by side.
             shift = (k - (len(names) - 1) / 2) * 0.04
             pods = [n + shift for n in tl["decode_pods"]]
-            ax.step(tl["t"], pods, where="post", label=name, linewidth=1.2)
+            (line,) = ax.step(tl["t"], pods, where="post", label=name, linewidth=1.2)
+            if "prefill_pods" in tl:  # prefill in the same colour, dashed
+                prefill = [n + shift for n in tl["prefill_pods"]]
+                ax.step(tl["t"], prefill, where="post", color=line.get_color(),
+                        linestyle="--", linewidth=0.9)  # fmt: skip
         # Every autoscaler of a shape and seed replays the same arrivals: one rate curve.
         rate_ax.plot(tl["t"], tl["rate_rps"], color="grey", alpha=0.35, linewidth=1)
         rate_ax.set_ylabel("req/s, last 60 s (grey)")
-        ax.set_ylabel("decode pods")
+        ax.set_ylabel("decode pods (prefill dashed)")
         ax.yaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"{trace} (seed {first})")
     axes[0, 0].legend(fontsize=7, ncol=3, loc="lower center")
@@ -78,8 +82,12 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
 
-    fig, axes = plt.subplots(1, len(traces), figsize=(3.6 * len(traces), 3.6), squeeze=False)
-    for ax, trace in zip(axes[0], traces, strict=True):
+    cols = min(4, len(traces))
+    grid = -(-len(traces) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(3.6 * cols, 3.6 * grid), squeeze=False)
+    for ax in axes.flat[len(traces) :]:
+        ax.set_visible(False)
+    for ax, trace in zip(axes.flat, traces, strict=False):
         for name in names:
             mine = [r for r in rows if (r["trace"], r["autoscaler"]) == (trace, name)]
             g = [r["goodput"] for r in mine]
@@ -95,7 +103,8 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
             )
         ax.set_title(trace)
         ax.set_xlabel("GPU-hours")
-    axes[0, 0].set_ylabel("goodput")
+    for row in axes:
+        row[0].set_ylabel("goodput")
     axes[0, -1].legend(fontsize=7)
     fig.tight_layout()
     path = directory / "autoscale_goodput_vs_gpu_hours.png"
