@@ -10,7 +10,8 @@ membership, health, profiles; `sidecar.state.PoolState` extends the table with w
 sidecar knows of a pod), the simulator's engines at its scrape ticks (`sim.router`). The
 `core.router.Router` writes the requests, through the lifecycle methods here (`routed`,
 `bind_decode`, `prefilled`, `progress`, `finished`, `expired`), which keep the cached views in
-step with the books. Nothing else writes to the ledger.
+step with the books. Nothing else writes to the ledger but `core.shared_books.SharedBooks`, which
+books the other router replicas' requests there (below).
 
 Views are cached per pod and rebuilt after any change to the pod (`changed`) or to its account
 (`touched`). A view that carries TPOT budgets also ages, since budgets shrink with time: it is
@@ -24,10 +25,9 @@ reusing it until the next change gives exactly the fresh view.
 Shared books: a `BookListener` given to the table is told of every change the router makes to
 its own books (`core.shared_books.Publisher` sends them to the other replicas), and the entries
 booked from the other replicas' events (`core.shared_books.SharedBooks`) count in the views like
-the router's own. `inflight` and `is_inflight` are about the router's own requests; the router's
-reports (`prefilled`, `progress`, `streamed`, `finished`) move only its own entries' counts where
-another replica's request could be named (`streamed`: a simulator's engines stream every
-replica's requests).
+the router's own. `inflight` and `is_inflight` count the router's own requests only, and
+`streamed` skips the others' (a simulator's engines stream every replica's requests; only their
+owners' events move them).
 
 `own_books=False` shows the policies the scraped gauges alone, as a router that keeps no books
 sees the pool between two scrapes (the books are still kept, for late binding and the reports).
