@@ -8,10 +8,13 @@ emptiest, and none sees the others' local prefills stall a decode instance's bat
 close that gap with two halves:
 
 * `Publisher`, the `core.pods.BookListener` of a replica's `Pods`: every change the router makes
-  to its own books becomes a `core.book_event.BookEvent` handed to `send` (the bus). Progress is
-  thinned: one event when the prefill leg answers, one at the first token, then one every
-  `progress_tokens` tokens, since a receiver's count of a stream's remaining output may lag by
-  that much and the bus need not carry every token.
+  to its own books becomes a `core.book_event.BookEvent` handed to `send` (the bus). Progress
+  goes out each time the owner's count grows, by default: thinned to one event every
+  `progress_tokens` tokens, a receiver sees each stream stall between two events, its TPOT
+  budget shrinking as if it fell behind, and the P/D decider and the guard shy away from
+  instances that are fine (`sim paper`'s herding setup, 16 replicas, 1,500 requests of one seed:
+  calibrated's goodput 0.86 with every count, 0.71-0.72 with an event every 4 or 16 tokens). A
+  bus that must carry less should batch the events of one report into one message instead.
 * `SharedBooks` applies the other replicas' events to this replica's ledger as entries owned by
   them (`Entry.owner`), which count like its own in every account and view: queued prompt tokens,
   remaining output, TPOT budgets, local-prefill stalls, unbound KV. They are also in
@@ -46,7 +49,7 @@ from disaggpool.core.pods import Pods
 __all__ = ["DEFAULT_LEASE_S", "DEFAULT_PROGRESS_TOKENS", "Publisher", "SharedBooks"]
 
 DEFAULT_LEASE_S = 30.0  # an owner silent this long is taken for dead
-DEFAULT_PROGRESS_TOKENS = 16  # a progress event every this many output tokens
+DEFAULT_PROGRESS_TOKENS = 1  # a progress event each time the count grows (module docstring)
 
 
 class Publisher:

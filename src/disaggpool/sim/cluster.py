@@ -292,7 +292,7 @@ class Simulation:
 
     def _arrive(self, req: EngineRequest, now: float) -> None:
         replica = self._router(req)
-        replica.observe(now)
+        self._observe(replica, now)
         placed = replica.router.route(
             Request(
                 req.key,
@@ -332,11 +332,24 @@ class Simulation:
         self._bound[decision.prefill] += 1
         self._reschedule(p_idx)
 
+    def _observe(self, replica: RouterReplica, now: float) -> None:
+        """What `replica` has heard before it decides at `now`. With shared books, every other
+        replica first reports the tokens its own requests streamed by now (and so publishes
+        them): a front door counts them as they pass, whichever replica decides next."""
+        if self._bus is None:
+            replica.observe(now)
+            return
+        streams = replica.streams(now)
+        for other in self.routers:
+            if other is not replica:
+                other.router.streamed(streams, now)
+        replica.observe(now, streams)
+
     def _bind_decode(self, req: EngineRequest, now: float) -> int:
         """Late binding: the prefill leg of `req` returned; the router chooses its decode
         instance now."""
         replica = self._router(req)
-        replica.observe(now)
+        self._observe(replica, now)
         decision = replica.router.bind_decode(req.key, now)
         assert decision is not None  # routed late and not finished: it awaits its decode pod
         self._bind(req, decision.decode)

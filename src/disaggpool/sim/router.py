@@ -92,10 +92,12 @@ class RouterReplica:
         self.scrape_interval_s = scrape_interval_s
         self._next_scrape = phase_s
 
-    def observe(self, now: float) -> None:
+    def observe(
+        self, now: float, streams: list[tuple[str, int, float | None]] | None = None
+    ) -> None:
         """What the router has heard by `now`: the other replicas' book events due (shared
         books), a scrape when one is due, then the output tokens streamed so far, each the first
-        time it is more than the books hold."""
+        time it is more than the books hold (`streams`, when the caller has them already)."""
         if self._bus is not None and self.books is not None:
             apply = self.books.apply
             for event in self._bus.deliver(self._reader, now):
@@ -107,12 +109,16 @@ class RouterReplica:
             self._scrape(now)
             missed = int((now - self._next_scrape) / self.scrape_interval_s)
             self._next_scrape += (missed + 1) * self.scrape_interval_s
-        streamed = self.router.streamed
-        for d in self.decode:
-            streamed(
-                [(req.key, produced, req.first_token) for req, produced in d.produced_by(now)],
-                now,
-            )
+        self.router.streamed(self.streams(now) if streams is None else streams, now)
+
+    def streams(self, now: float) -> list[tuple[str, int, float | None]]:
+        """Every running sequence's (request id, output tokens so far, first token seen at):
+        what the front doors streaming them have counted by `now`."""
+        return [
+            (req.key, produced, req.first_token)
+            for d in self.decode
+            for req, produced in d.produced_by(now)
+        ]
 
     def _scrape(self, now: float) -> None:
         """What the sidecar's collector reads of every engine's `/metrics`."""
