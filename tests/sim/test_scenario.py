@@ -478,3 +478,27 @@ def test_router_block_sets_what_the_router_knows_and_its_switches(tmp_path: Path
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(InputError, match=r"router\.replicas"):
         load_scenario(path)
+
+
+def test_router_shared_books_and_bus_delay(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    doc = {
+        "pool": {"prefill": [{"count": 1, "profile": "a40-llama3-8b"}],
+                 "decode": [{"count": 2, "profile": "a40-llama3-8b"}]},
+        "slo_classes": [{"name": "chat", "ttft_s": 2.0, "tpot_s": 0.1}],
+        "trace": {"generate": {"n": 20, "rate": 2.0}},
+        "policies": ["calibrated"],
+        "router": {"replicas": 4, "shared_books": True, "bus_delay_s": 0.005},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(doc))
+    router = load_scenario(path).specs()[0].router
+    assert (router.shared_books, router.bus_delay_s) == (True, 0.005)
+    for bad, field in (
+        ({"shared_books": "yes"}, r"router\.shared_books: must be true or false"),
+        ({"shared_books": True, "bus_delay_s": -1}, r"router\.bus_delay_s: must be >= 0"),
+        ({"bus_delay_s": 0.01}, r"router\.bus_delay_s: needs router\.shared_books"),
+    ):
+        doc["router"] = bad
+        path.write_text(yaml.safe_dump(doc))
+        with pytest.raises(InputError, match=field):
+            load_scenario(path)

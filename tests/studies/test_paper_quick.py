@@ -136,6 +136,9 @@ def test_each_experiment_runs_its_policies(quick: tuple[Doc, str, Path]) -> None
     assert set(views) == set(paper.HERDING_VIEWS)
     assert (views["16_replicas"]["replicas"], views["no_books"]["own_books"]) == (16, False)
     assert (views["own_books"]["replicas"], views["own_books"]["own_books"]) == (1, True)
+    shared = views["16_replicas_shared"]
+    assert (shared["replicas"], shared["shared_books"], shared["bus_delay_s"]) == (16, True, 0.005)
+    assert not views["16_replicas"]["shared_books"]
 
 
 @pytest.mark.slow

@@ -63,6 +63,11 @@ pool-wide `unbound_kv_tokens`, which the snapshot carries: the KV the decode poo
 Local prefill: an entry booked without a prefill instance (`prefill=None`) is prefilled by its
 decode instance, whose account then carries its prompt as `local_tokens` until it starts
 decoding.
+
+Shared books: another router replica's request, booked here from that replica's events
+(`core.shared_books`), is an entry like ours with its `owner` set. It counts in every account
+(`held_at_scrape` included: work a shared entry explains is not foreign) and is moved only by
+its owner's events; `own_entries` counts the others.
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ class Entry:
     priority: int = 0  # what the engines were asked for (RouteDecision.priority)
     # What it was routed on: late binding and a retry choose its decode pod again with it.
     features: RequestFeatures | None = None
+    # The router replica that routed it, when not this one (`core.shared_books`): counted like
+    # ours, but only its owner's word moves it.
+    owner: str | None = None
     # While decoding, budget(now) = (due - now) / left: `left` the predicted remaining tokens (at
     # least 1), `due` when the last of them is due, `left_pow2` the budgets' token bucket of
     # `left` (`_pow2`). All change only with `generated`.
@@ -178,6 +186,12 @@ class Ledger:
         self.entries: dict[str, Entry] = {}
         self.accounts: dict[str, Account] = {}
         self.unbound_kv_tokens = 0.0  # routed to a prefill instance, decode not chosen yet
+        self.shared_entries = 0  # entries another replica owns (`Entry.owner`)
+
+    @property
+    def own_entries(self) -> int:
+        """Entries this router routed (not booked from another replica's events)."""
+        return len(self.entries) - self.shared_entries
 
     def account(self, name: str) -> Account:
         acc = self.accounts.get(name)
@@ -202,6 +216,8 @@ class Ledger:
         if entry.request_id in self.entries:
             raise KeyError(f"request id {entry.request_id!r} is already in flight")
         self.entries[entry.request_id] = entry
+        if entry.owner is not None:
+            self.shared_entries += 1
         if entry.prefill is None:
             if entry.decode is None:
                 raise ValueError(f"request {entry.request_id!r}: local prefill needs a decode")
@@ -312,6 +328,8 @@ class Ledger:
         entry = self.entries.pop(request_id, None)
         if entry is None:
             return None
+        if entry.owner is not None:
+            self.shared_entries -= 1
         if not entry.prefilled:
             self._release_prefill(entry)
         if entry.decode is None:

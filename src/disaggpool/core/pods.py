@@ -10,7 +10,8 @@ membership, health, profiles; `sidecar.state.PoolState` extends the table with w
 sidecar knows of a pod), the simulator's engines at its scrape ticks (`sim.router`). The
 `core.router.Router` writes the requests, through the lifecycle methods here (`routed`,
 `bind_decode`, `prefilled`, `progress`, `finished`, `expired`), which keep the cached views in
-step with the books. Nothing else writes to the ledger.
+step with the books. Nothing else writes to the ledger but `core.shared_books.SharedBooks`, which
+books the other router replicas' requests there (below).
 
 Views are cached per pod and rebuilt after any change to the pod (`changed`) or to its account
 (`touched`). A view that carries TPOT budgets also ages, since budgets shrink with time: it is
@@ -20,6 +21,13 @@ walked per decision); `refresh_s=0` rebuilds it at every decision, so that every
 a fresh `view` of every pod would give (the simulator, whose results must not depend on the
 cache). A view without budgets has nothing that ages (no request queued or decoding there), so
 reusing it until the next change gives exactly the fresh view.
+
+Shared books: a `BookListener` given to the table is told of every change the router makes to
+its own books (`core.shared_books.Publisher` sends them to the other replicas), and the entries
+booked from the other replicas' events (`core.shared_books.SharedBooks`) count in the views like
+the router's own. `inflight` and `is_inflight` count the router's own requests only, and
+`streamed` skips the others' (a simulator's engines stream every replica's requests; only their
+owners' events move them).
 
 `own_books=False` shows the policies the scraped gauges alone, as a router that keeps no books
 sees the pool between two scrapes (the books are still kept, for late binding and the reports).
@@ -31,13 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from disaggpool.core.contracts import InstanceSnapshot, PoolSnapshot, Role
 from disaggpool.core.ledger import BUDGETS_REFRESH_S, Account, Entry, Gauges, Ledger, view
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["Pod", "Pods"]
+__all__ = ["BookListener", "Pod", "Pods"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +60,21 @@ class Pod:
     removed: bool = False  # gone from membership; kept while requests are still in flight
     view: InstanceSnapshot | None = None  # cached snapshot; None after any change
     view_at: float = 0.0  # when it was built: its TPOT budgets age (module docstring)
+    scraped_at: float | None = None  # when `gauges` were read (None: never)
+
+
+class BookListener(Protocol):
+    """Told of each change the router makes to its own books, after the ledger made it."""
+
+    def booked(self, entry: Entry) -> None: ...
+
+    def bound(self, entry: Entry) -> None: ...
+
+    def prefilled(self, entry: Entry) -> None: ...
+
+    def progressed(self, entry: Entry) -> None: ...
+
+    def finished(self, entry: Entry) -> None: ...
 
 
 P = TypeVar("P", bound=Pod)
@@ -62,11 +85,18 @@ _NO_ACCOUNTS: dict[str, Account] = {}
 class Pods(Generic[P]):
     """Pods by name, in the order the policies see them, plus the ledger (module docstring)."""
 
-    def __init__(self, *, own_books: bool = True, refresh_s: float = BUDGETS_REFRESH_S) -> None:
+    def __init__(
+        self,
+        *,
+        own_books: bool = True,
+        refresh_s: float = BUDGETS_REFRESH_S,
+        listener: BookListener | None = None,
+    ) -> None:
         self.instances: dict[str, P] = {}
         self.ledger = Ledger()
         self.own_books = own_books
         self.refresh_s = refresh_s
+        self.listener = listener
 
     # ---------------------------------------------------------------- what the adapters observe
     def add(self, pod: P) -> None:
@@ -86,6 +116,7 @@ class Pods(Generic[P]):
         if pod is None:
             return
         pod.gauges = gauges
+        pod.scraped_at = now
         self.ledger.scraped(name)
         pod.view = None
 
@@ -112,24 +143,36 @@ class Pods(Generic[P]):
     # ---------------------------------------------------------------- the books (Router only)
     @property
     def inflight(self) -> int:
-        return len(self.ledger.entries)
+        """The router's own requests in flight."""
+        return self.ledger.own_entries
 
     def is_inflight(self, request_id: str) -> bool:
-        return request_id in self.ledger.entries
+        entry = self.ledger.entries.get(request_id)
+        return entry is not None and entry.owner is None
 
     def routed(self, entry: Entry) -> None:
         self.ledger.routed(entry)
         self.touched(entry)
+        if self.listener is not None:
+            self.listener.booked(entry)
 
     def bind_decode(self, request_id: str, decode: str) -> Entry | None:
         entry = self.ledger.bind_decode(request_id, decode)
         self.touched(entry)
+        if entry is not None and self.listener is not None:
+            self.listener.bound(entry)
         return entry
 
     def prefilled(self, request_id: str) -> bool:
-        entry = self.ledger.prefilled(request_id)
-        self.touched(entry)
-        return entry is not None
+        entry = self.ledger.entries.get(request_id)
+        if entry is None:
+            return False
+        if not entry.prefilled:
+            self.ledger.prefilled(request_id)
+            self.touched(entry)
+            if self.listener is not None:
+                self.listener.prefilled(entry)
+        return True
 
     def progress(
         self, request_id: str, generated: int, now: float, first_token_at: float | None = None
@@ -137,29 +180,37 @@ class Pods(Generic[P]):
         """`generated` output tokens so far; the first call with > 0 marks it decoding."""
         entry = self.ledger.progress(request_id, generated, now, first_token_at)
         self.touched(entry)
+        if entry is not None and self.listener is not None:
+            self.listener.progressed(entry)
         return entry is not None
 
     def streamed(self, counts: Iterable[tuple[str, int, float | None]], now: float) -> None:
         """`progress` of many requests at once: (request id, output tokens so far, when the
         first was seen), each counted only when it grew. A view goes stale once, however many
-        of its pod's requests moved (no snapshot is built in between)."""
+        of its pod's requests moved (no snapshot is built in between). Another replica's
+        requests are left to its events."""
         entries = self.ledger.entries
         advance = self.ledger.advance
+        listener = self.listener
         last: str | None = None
         for request_id, generated, first_token_at in counts:
             entry = entries.get(request_id)
-            if entry is None or generated <= entry.generated:
+            if entry is None or generated <= entry.generated or entry.owner is not None:
                 continue
             prefilled = entry.prefilled
             advance(entry, generated, now, first_token_at)
             if entry.decode != last or not prefilled:
                 self.touched(entry)
                 last = entry.decode
+            if listener is not None:
+                listener.progressed(entry)
 
     def finished(self, request_id: str) -> Entry | None:
         """Forget a request (finished, failed or expired); returns its entry, if known."""
         entry = self.ledger.finished(request_id)
         self.touched(entry)
+        if entry is not None and self.listener is not None:
+            self.listener.finished(entry)
         return entry
 
     def expired(self, now: float, ttl: float) -> list[Entry]:
@@ -167,6 +218,8 @@ class Pods(Generic[P]):
         gone = self.ledger.expired(now, ttl)
         for entry in gone:
             self.touched(entry)
+            if self.listener is not None:
+                self.listener.finished(entry)
         return gone
 
     def touched(self, entry: Entry | None) -> None:

@@ -10,9 +10,10 @@ Routing is done by the production router, `core.router.Router`, one per router r
 (`sim.router.RouterReplica`, which tells it what a sidecar would observe of the engines): the
 loop hands it each arrival, each prefill leg that answers (late binding: it chooses the decode
 instance then) and each end, and does what it decided. What the router knows is part of the
-scenario (`RouterOptions`): how stale its scraped gauges are, how many independent router
-replicas share the arrivals, and whether the decode instance is chosen at arrival or when the
-prefill leg returns (late binding, as the sidecar's front door can). The output-length predictor
+scenario (`RouterOptions`): how stale its scraped gauges are, how many router replicas share
+the arrivals and whether they share their books (`sim.book_bus`), and whether the decode
+instance is chosen at arrival or when the prefill leg returns (late binding, as the sidecar's
+front door can). The output-length predictor
 learns from completions as it would in production.
 """
 
@@ -34,6 +35,7 @@ from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
 from disaggpool.engine.request import EngineRequest, SchedulingPolicy
 from disaggpool.formats.traces import TraceRequest
+from disaggpool.sim.book_bus import BookBus
 from disaggpool.sim.router import RouterReplica
 
 __all__ = ["Controller", "InstanceSpec", "RouterOptions", "SimOutcome", "Simulation"]
@@ -68,6 +70,9 @@ class RouterOptions:
     `own_books`: each replica counts the requests it routed on top of the scraped gauges (its
     ledger), as the sidecar does; False shows the policies the gauges alone, as a router that
     keeps no books sees the pool between two scrapes (`sim paper`'s `herding` experiment).
+    `shared_books`: the replicas tell each other every change to their books
+    (`core.shared_books`), which each applies `bus_delay_s` after it was made, at its first
+    decision then or after (`sim.book_bus`); each then counts every replica's requests.
     """
 
     scrape_interval_s: float = 0.0
@@ -75,12 +80,20 @@ class RouterOptions:
     late_binding: bool = False
     prefix_index: bool = False
     own_books: bool = True
+    shared_books: bool = False
+    bus_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.scrape_interval_s >= 0.0:
             raise ValueError(f"scrape_interval_s must be >= 0, got {self.scrape_interval_s!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas!r}")
+        if not (self.bus_delay_s >= 0.0 and math.isfinite(self.bus_delay_s)):
+            raise ValueError(f"bus_delay_s must be a finite number >= 0, got {self.bus_delay_s!r}")
+        if self.bus_delay_s and not self.shared_books:
+            raise ValueError("bus_delay_s needs shared_books")
+        if self.shared_books and not self.own_books:
+            raise ValueError("shared_books needs own_books (the shared entries are books)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,6 +194,7 @@ class Simulation:
         self.controller = controller
         believed = {s.name: s.believed_profile for s in instances}
         n = router.replicas
+        self._bus = BookBus(router.bus_delay_s) if router.shared_books else None
         self.routers = [
             RouterReplica(
                 self.serving_prefill,
@@ -194,6 +208,8 @@ class Simulation:
                 prefix_index=router.prefix_index,
                 own_books=router.own_books,
                 late_binding=router.late_binding,
+                bus=self._bus,
+                name=f"router-{r}",
             )
             for r in range(n)
         ]
@@ -235,6 +251,7 @@ class Simulation:
         now = 0.0
         period = self.controller.period_s if self.controller else math.inf
         tick = 0.0 if self.controller else math.inf
+        bus = self._bus
         while nxt < n or heap:
             arrival = reqs[nxt].arrival if nxt < n else math.inf
             wake = heap[0][0] if heap else math.inf
@@ -254,6 +271,8 @@ class Simulation:
                 self._arrive(req, now)
                 if self.controller is not None:  # after routing: it reads the prediction
                     self.controller.arrived(req, now)
+            if bus is not None:  # what the replicas published handling it is sent now
+                bus.flush(now)
         rejected = [r for e in self._engines for r in e.rejected]
         done = [r for r in reqs if r.finish >= 0]
         return SimOutcome(
@@ -273,7 +292,7 @@ class Simulation:
 
     def _arrive(self, req: EngineRequest, now: float) -> None:
         replica = self._router(req)
-        replica.observe(now)
+        self._observe(replica, now)
         placed = replica.router.route(
             Request(
                 req.key,
@@ -313,11 +332,24 @@ class Simulation:
         self._bound[decision.prefill] += 1
         self._reschedule(p_idx)
 
+    def _observe(self, replica: RouterReplica, now: float) -> None:
+        """What `replica` has heard before it decides at `now`. With shared books, every other
+        replica first reports the tokens its own requests streamed by now (and so publishes
+        them): a front door counts them as they pass, whichever replica decides next."""
+        if self._bus is None:
+            replica.observe(now)
+            return
+        streams = replica.streams(now)
+        for other in self.routers:
+            if other is not replica:
+                other.router.streamed(streams, now)
+        replica.observe(now, streams)
+
     def _bind_decode(self, req: EngineRequest, now: float) -> int:
         """Late binding: the prefill leg of `req` returned; the router chooses its decode
         instance now."""
         replica = self._router(req)
-        replica.observe(now)
+        self._observe(replica, now)
         decision = replica.router.bind_decode(req.key, now)
         assert decision is not None  # routed late and not finished: it awaits its decode pod
         self._bind(req, decision.decode)

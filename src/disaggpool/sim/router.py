@@ -13,12 +13,15 @@ knows them.
 
 Several replicas (`sim.cluster`) are several of these over the same engines, each routing its
 share of the arrivals and seeing only its own requests in its books; the gauges are the only
-thing they share, which is what makes greedy placement herd. The prefill and decode instances a
-replica sees are the serving ones: an autoscaled simulation starts and drains them under it
-(`serve`, `drain`). With `prefix_index`, the router keeps the approximate index of the prompt
-blocks it sent to each prefill instance (`core.router.ApproximatePrefix`). Without `own_books` the
-policy sees the gauges alone (`core.pods`): a router that keeps no books, which the `herding`
-experiment needs. Called by `sim.cluster` only.
+thing they share, which is what makes greedy placement herd. With a `bus`
+(`sim.book_bus.BookBus`, `RouterOptions.shared_books`) they share their books too: each
+publishes the changes to its own (`core.shared_books.Publisher`) and, when it observes, applies
+the others' that are due (`core.shared_books.SharedBooks`), before it scrapes. The prefill and
+decode instances a replica sees are the serving ones: an autoscaled simulation starts and drains
+them under it (`serve`, `drain`). With `prefix_index`, the router keeps the approximate index of
+the prompt blocks it sent to each prefill instance (`core.router.ApproximatePrefix`). Without
+`own_books` the policy sees the gauges alone (`core.pods`): a router that keeps no books, which
+the `herding` experiment needs. Called by `sim.cluster` only.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from disaggpool.core.predictor import OutputPredictor
 from disaggpool.core.prefix_index import PrefixIndex
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.core.router import ApproximatePrefix, Router
+from disaggpool.core.shared_books import Publisher, SharedBooks
 from disaggpool.engine.decode import DecodeEngine
 from disaggpool.engine.prefill import PrefillEngine
+from disaggpool.sim.book_bus import BookBus
 
 __all__ = ["RouterReplica"]
 
@@ -57,12 +62,22 @@ class RouterReplica:
         prefix_index: bool = False,
         own_books: bool = True,
         late_binding: bool = False,
+        bus: BookBus | None = None,
+        name: str = "router-0",
     ) -> None:
         # Not copied: the simulator changes the serving instances in place as it scales.
         self.prefill = prefill
         self.decode = decode
+        self.name = name
         # Views are rebuilt at every decision (refresh_s=0): results never depend on the cache.
-        self.pods: Pods[Pod] = Pods(own_books=own_books, refresh_s=0.0)
+        self.pods: Pods[Pod] = Pods(
+            own_books=own_books,
+            refresh_s=0.0,
+            listener=Publisher(name, bus.outbox.append) if bus is not None else None,
+        )
+        self._bus = bus
+        self._reader = bus.subscribe() if bus is not None else 0
+        self.books = SharedBooks(self.pods, name) if bus is not None else None
         self._believed = believed
         self._served: dict[str, Pod] = {}  # every instance served so far
         for p in prefill:
@@ -77,21 +92,33 @@ class RouterReplica:
         self.scrape_interval_s = scrape_interval_s
         self._next_scrape = phase_s
 
-    def observe(self, now: float) -> None:
-        """What the router has heard by `now`: a scrape when one is due, then the output tokens
-        streamed so far, each the first time it is more than the books hold."""
+    def observe(
+        self, now: float, streams: list[tuple[str, int, float | None]] | None = None
+    ) -> None:
+        """What the router has heard by `now`: the other replicas' book events due (shared
+        books), a scrape when one is due, then the output tokens streamed so far, each the first
+        time it is more than the books hold (`streams`, when the caller has them already)."""
+        if self._bus is not None and self.books is not None:
+            apply = self.books.apply
+            for event in self._bus.deliver(self._reader, now):
+                apply(event, now)
+            self.books.expire(now)
         if self.scrape_interval_s <= 0.0:
             self._scrape(now)
         elif now >= self._next_scrape:
             self._scrape(now)
             missed = int((now - self._next_scrape) / self.scrape_interval_s)
             self._next_scrape += (missed + 1) * self.scrape_interval_s
-        streamed = self.router.streamed
-        for d in self.decode:
-            streamed(
-                [(req.key, produced, req.first_token) for req, produced in d.produced_by(now)],
-                now,
-            )
+        self.router.streamed(self.streams(now) if streams is None else streams, now)
+
+    def streams(self, now: float) -> list[tuple[str, int, float | None]]:
+        """Every running sequence's (request id, output tokens so far, first token seen at):
+        what the front doors streaming them have counted by `now`."""
+        return [
+            (req.key, produced, req.first_token)
+            for d in self.decode
+            for req, produced in d.produced_by(now)
+        ]
 
     def _scrape(self, now: float) -> None:
         """What the sidecar's collector reads of every engine's `/metrics`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -201,12 +202,20 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             "local_prefill_below",
             "prefix_index",
             "priority_scheduling",
+            "shared_books",
+            "bus_delay_s",
         },
     )
     binding = r.get("decode_binding", DEFAULT_DECODE_BINDING)
     if binding not in DECODE_BINDINGS:
         raise rd.fail("router.decode_binding", f"must be arrival or late, got {binding!r}")
     below = r.get("local_prefill_below", 0)
+    shared = rd.boolean(r.get("shared_books", False), "router.shared_books")
+    delay = rd.number(r.get("bus_delay_s", 0.0), "router.bus_delay_s")
+    if not math.isfinite(delay):
+        raise rd.fail("router.bus_delay_s", f"must be finite, got {delay!r}")
+    if delay and not shared:
+        raise rd.fail("router.bus_delay_s", "needs router.shared_books: true")
     return (
         RouterOptions(
             scrape_interval_s=rd.number(
@@ -215,6 +224,8 @@ def _router(rd: FieldReader, raw: Any) -> tuple[RouterOptions, PolicyOptions]:
             replicas=rd.integer(r.get("replicas", 1), "router.replicas"),
             late_binding=binding == "late",
             prefix_index=rd.boolean(r.get("prefix_index", False), "router.prefix_index"),
+            shared_books=shared,
+            bus_delay_s=delay,
         ),
         PolicyOptions(
             pd_decider=rd.boolean(r.get("pd_decider", True), "router.pd_decider"),

@@ -18,7 +18,9 @@ every sweep point or case at its own such rate. The experiments (`EXPERIMENTS`, 
 * ``scarcity`` (llama8b): up to 3x the operating rate (``"load"``);
 * ``herding`` (llama8b): what the router knows between two scrapes (``"view"``, `HERDING_VIEWS`):
   its own books (one replica, the setup's router), 4 or 16 replicas each with its own books and
-  an even share of the arrivals, or no books at all (the gauges alone), at the main rate;
+  an even share of the arrivals, or no books at all (the gauges alone), and 4 or 16 replicas
+  sharing their books over a bus of `SHARED_BOOKS_DELAY_S` (`core.shared_books`), at the main
+  rate;
 * ``hardware_spread`` (llama8b): calibrated vs datasheet constants on pools whose instances spread
   more in speed (``"hardware_spread"``);
 * ``gpu_count`` (both setups): 4..8 GPUs (paper: 3..8) at the rate round-robin carries at 0.85 on
@@ -85,11 +87,22 @@ HERDING_LABELS = (
     "calibrated",
     "calibrated_no_pd",
 )
+SHARED_BOOKS_DELAY_S = 0.005  # a bus (NATS) hop between two router replicas in one cluster
 HERDING_VIEWS: dict[str, dict[str, Any]] = {
     "own_books": {},
     "4_replicas": {"replicas": 4},
     "16_replicas": {"replicas": 16},
     "no_books": {"own_books": False},
+    "4_replicas_shared": {
+        "replicas": 4,
+        "shared_books": True,
+        "bus_delay_s": SHARED_BOOKS_DELAY_S,
+    },
+    "16_replicas_shared": {
+        "replicas": 16,
+        "shared_books": True,
+        "bus_delay_s": SHARED_BOOKS_DELAY_S,
+    },
 }
 """The `herding` experiment's router views: changes to the setup's `RouterOptions`."""
 SPREAD_LABELS = ("least_loaded", "uncalibrated", "calibrated")
@@ -356,7 +369,7 @@ class _Experiments:
         ]
 
     # Greedy placement herds when the router's view is stale: the study's collapse. The same
-    # trace and rate, four views of the pool between scrapes (HERDING_VIEWS).
+    # trace and rate, six views of the pool between scrapes (HERDING_VIEWS).
     def _herding(self) -> list[RunSpec]:
         trace = self._sweep_trace(self.rate)
         return [
