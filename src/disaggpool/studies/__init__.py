@@ -7,7 +7,7 @@ Each study is a fixed design (setups, traffic, pools, SLOs, policies, seeds), a 
   `paper_setup` (the llama8b setup), `paper_study` (the study's own configuration),
   `paper_traces`, `paper_report`, `paper_plots`;
 * prefix-cache-aware routing: `prefix_study`, `prefix_report`;
-* decode autoscaling: `autoscale_traffic` (time-varying traffic), `autoscale_study`,
+* autoscaling: `autoscale_traffic` (time-varying traffic), `autoscale_study`,
   `autoscale_report`.
 
 The simulator (`disaggpool.sim`) never imports a study: what a user runs with `sim run` and
