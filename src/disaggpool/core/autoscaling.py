@@ -85,6 +85,7 @@ from disaggpool.core.demand import Demand
 from disaggpool.core.profile import CalibrationProfile
 
 __all__ = [
+    "MAX_HEADROOM",
     "OCCUPANCY_SPAN_S",
     "Bounds",
     "DecodeCapacity",
@@ -93,6 +94,7 @@ __all__ = [
     "PoolState",
     "ScaleDecision",
     "Stabilizer",
+    "check_scaler",
     "decode_capacity",
     "slots_needed",
 ]
@@ -236,6 +238,22 @@ def slots_needed(demand: Demand, residence_s: float, z: float, lookahead_s: floa
     return load + z * math.sqrt(spread)
 
 
+#: The largest `min_headroom` a scaler takes (the operator and the router's config refuse more).
+MAX_HEADROOM = 10.0
+
+
+def check_scaler(
+    role: str, profiles: Sequence[CalibrationProfile], target_goodput: float, min_headroom: float
+) -> None:
+    """What either role's scaler refuses, by argument name."""
+    if not profiles:
+        raise ValueError(f"the {role} autoscaler needs at least one calibrated profile")
+    if not 0.5 <= target_goodput < 1.0:
+        raise ValueError(f"target_goodput must be in [0.5, 1), got {target_goodput!r}")
+    if not 0.0 <= min_headroom <= MAX_HEADROOM:
+        raise ValueError(f"min_headroom must be in [0, {MAX_HEADROOM:g}], got {min_headroom!r}")
+
+
 #: How far back the decode pool's occupancy trend looks (`Occupancy`): a few ticks, so a pool
 #: that starts filling is seen within seconds; long enough to tell a trend from one noisy tick.
 OCCUPANCY_SPAN_S = 30.0
@@ -314,12 +332,7 @@ class HeterogeneityScaler:
         *,
         min_headroom: float = 0.0,
     ) -> None:
-        if not profiles:
-            raise ValueError("the decode autoscaler needs at least one calibrated profile")
-        if not 0.5 <= target_goodput < 1.0:
-            raise ValueError(f"target_goodput must be in [0.5, 1), got {target_goodput!r}")
-        if not 0.0 <= min_headroom <= 10.0:
-            raise ValueError(f"min_headroom must be in [0, 10], got {min_headroom!r}")
+        check_scaler("decode", profiles, target_goodput, min_headroom)
         self.bounds = bounds
         self.profiles = list(profiles)
         self.tpot_s = tpot_s

@@ -39,7 +39,13 @@ import math
 from collections.abc import Sequence
 from statistics import fmean, median
 
-from disaggpool.core.autoscaling import Bounds, PoolState, ScaleDecision, Stabilizer
+from disaggpool.core.autoscaling import (
+    Bounds,
+    PoolState,
+    ScaleDecision,
+    Stabilizer,
+    check_scaler,
+)
 from disaggpool.core.demand import Demand
 from disaggpool.core.profile import CalibrationProfile
 
@@ -88,14 +94,9 @@ class PrefillScaler:
         *,
         min_headroom: float = 0.0,
     ) -> None:
-        if not profiles:
-            raise ValueError("the prefill autoscaler needs at least one calibrated profile")
-        if not 0.5 <= target_goodput < 1.0:
-            raise ValueError(f"target_goodput must be in [0.5, 1), got {target_goodput!r}")
+        check_scaler("prefill", profiles, target_goodput, min_headroom)
         if not ttft_s > 0:
             raise ValueError(f"ttft_s must be positive, got {ttft_s!r}")
-        if not 0.0 <= min_headroom <= 10.0:
-            raise ValueError(f"min_headroom must be in [0, 10], got {min_headroom!r}")
         self.bounds = bounds
         self.profiles = list(profiles)
         self.ttft_s = ttft_s

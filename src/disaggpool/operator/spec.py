@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from disaggpool.core.autoscaling import MAX_HEADROOM
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
@@ -70,9 +71,6 @@ MANAGED_VLLM_FLAGS = (
 # (<= 63 characters); pod names add ~17 characters of hashes to it.
 MAX_POOL_NAME = 30
 MAX_VARIANT_NAME = 12
-#: The largest `autoscaling.minHeadroom`: the router's scalers refuse more (core.autoscaling,
-#: core.prefill_scaling), as does the router's config (`sidecar.config.MAX_HEADROOM`).
-MAX_HEADROOM = 10.0
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
 #: `engine.podSecurity`: the Pod Security Standard the vLLM pods are rendered to pass.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
+from disaggpool.core.autoscaling import MAX_HEADROOM
 from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
 from disaggpool.core.policies.registry import (
@@ -84,11 +85,6 @@ class KVEventsSource:
     port: int = 5557
     topic: str = ""
     stale_after_s: float = 10.0
-
-
-#: The largest `autoscaling.min_headroom`: the scalers refuse more (core.autoscaling,
-#: core.prefill_scaling), so the config does at startup rather than the first recommendation.
-MAX_HEADROOM = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
