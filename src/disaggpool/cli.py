@@ -28,6 +28,7 @@ variable only: a flag would show in the process list).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -126,6 +127,14 @@ def cmd_sim_autoscale(args: argparse.Namespace) -> int:
         cfg = autoscale_study.AutoscaleConfig()
         if args.quick:
             cfg = autoscale_study.AutoscaleConfig.quick()
+        if args.min_headroom is not None:
+            from disaggpool.core.autoscaling import MAX_HEADROOM
+
+            if not 0.0 <= args.min_headroom <= MAX_HEADROOM:
+                raise InputError(
+                    "--min-headroom", str(args.min_headroom), f"must be in [0, {MAX_HEADROOM:g}]"
+                )
+            cfg = dataclasses.replace(cfg, min_headroom=args.min_headroom)
         doc = autoscale_study.run_autoscale(cfg, workers=args.workers, progress=progress)
     return _report_experiment(
         doc, start, autoscale_report.tables, autoscale_report.write_plots, args
@@ -340,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_sim_prefix)
     a = sim.add_parser("autoscale", help="autoscalers side by side on time-varying traffic")
     a.add_argument("--quick", action="store_true", help="every traffic shape, small")
+    a.add_argument(
+        "--min-headroom",
+        type=float,
+        default=None,
+        metavar="H",
+        help="ours' floor over the offered load, as autoscaling.minHeadroom (default 0)",
+    )
     a.add_argument(
         "--scenario", metavar="FILE", help="your pool and trace, with an autoscaling: section"
     )

@@ -230,8 +230,11 @@ def make_autoscaler(
     profiles: Sequence[CalibrationProfile],
     tpot_s: float,
     target_goodput: float = 0.9,
+    *,
+    min_headroom: float = 0.0,
 ) -> Autoscaler:
-    """One autoscaler by name (`AUTOSCALERS`); `profiles`: the decode pool's calibrated ones."""
+    """One autoscaler by name (`AUTOSCALERS`); `profiles`: the decode pool's calibrated ones;
+    `min_headroom`: ours' floor (the others have none)."""
     if name == "static_peak":
         return StaticPeak(bounds)
     if name == "keda_queue":
@@ -243,7 +246,9 @@ def make_autoscaler(
     if name == "dynamo_planner":
         return DynamoPlanner(bounds, profiles, tpot_s)
     if name == "disaggpool":
-        return HeterogeneityScaler(bounds, profiles, tpot_s, target_goodput)
+        return HeterogeneityScaler(
+            bounds, profiles, tpot_s, target_goodput, min_headroom=min_headroom
+        )
     raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")
 
 
@@ -286,6 +291,8 @@ def make_prefill_autoscaler(
     profiles: Sequence[CalibrationProfile],
     ttft_s: float,
     target_goodput: float = 0.9,
+    *,
+    min_headroom: float = 0.0,
 ) -> Autoscaler:
     """The prefill counterpart of autoscaler `name` (`AUTOSCALERS`; module docstring);
     `profiles`: the prefill pool's calibrated ones, `ttft_s`: the tightest TTFT target."""
@@ -300,5 +307,5 @@ def make_prefill_autoscaler(
     if name == "dynamo_planner":
         return DynamoPrefillPlanner(bounds, profiles, ttft_s)
     if name == "disaggpool":
-        return PrefillScaler(bounds, profiles, ttft_s, target_goodput)
+        return PrefillScaler(bounds, profiles, ttft_s, target_goodput, min_headroom=min_headroom)
     raise ValueError(f"unknown autoscaler {name!r}; choose from {', '.join(AUTOSCALERS)}")

@@ -88,6 +88,7 @@ class AutoscaleConfig:
     startup_s: float = 60.0
     stabilization_s: float = 120.0
     target_goodput: float = 0.99  # the static peak pool's own level: the aim is to match it
+    min_headroom: float = 0.0  # ours' floor over the offered load (core.autoscaling)
     history_s: float = 600.0  # traffic every autoscaler remembers from before the run
 
     @classmethod
@@ -113,6 +114,7 @@ class AutoscaleSpec:
     scrape_interval_s: float = 1.0
     history: tuple[TraceRequest, ...] = ()  # traffic before the run, in the window only
     prefill_bounds: Bounds | None = None
+    min_headroom: float = 0.0
 
 
 def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
@@ -128,6 +130,7 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
         [believed[i.name] for i in decode],
         tpot,
         spec.target_goodput,
+        min_headroom=spec.min_headroom,
     )
     prefill_scaler = None
     if spec.prefill_bounds is not None:
@@ -137,6 +140,7 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
             [believed[i.name] for i in prefill],
             min(c.ttft_s for c in spec.slo_classes),
             spec.target_goodput,
+            min_headroom=spec.min_headroom,
         )
     controller = ElasticController(
         scaler,
@@ -242,6 +246,7 @@ def run_autoscale(
                         cfg.target_goodput,
                         history=history,
                         prefill_bounds=prefill_bounds,
+                        min_headroom=cfg.min_headroom,
                     )
                 )
     tick = staged(progress, "runs", len(specs))
