@@ -246,6 +246,13 @@ def test_sim_autoscale_needs_the_scenarios_autoscaling_section(
     assert "autoscaling: missing" in capsys.readouterr().err
 
 
+def test_sim_autoscale_refuses_a_headroom_the_scalers_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["sim", "autoscale", "--quick", "--min-headroom", "11"]) == 2
+    assert "--min-headroom" in capsys.readouterr().err
+
+
 def test_tokenizer_writes_the_emulators_tokenizer_for_other_clients(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

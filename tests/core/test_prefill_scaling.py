@@ -87,6 +87,8 @@ def test_prefill_counterparts_of_the_baselines() -> None:
         assert make_prefill_autoscaler(name, BOUNDS, [PROFILE], 0.5).name == name
     with pytest.raises(ValueError, match="unknown autoscaler"):
         make_prefill_autoscaler("hpa", BOUNDS, [PROFILE], 0.5)
+    ours = make_prefill_autoscaler("disaggpool", BOUNDS, [PROFILE], 0.5, min_headroom=0.5)
+    assert isinstance(ours, PrefillScaler) and ours.min_headroom == 0.5
     # llm-d: 1,000-token prompts at 0.11 s are 9,091 tokens/s; 30,000 tokens queued = 3.3 s of
     # backlog over 1.5 s per pod -> 3.
     t = LlmdTokenPrefill(BOUNDS, [PROFILE])
