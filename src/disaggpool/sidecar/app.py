@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disaggpool.sidecar.auth import KeyFile, TokenInterceptor, server_credentials
 from disaggpool.sidecar.autoscale import DecodeRecommender, PrefillRecommender
+from disaggpool.sidecar.book_bus import BookBus
 from disaggpool.sidecar.collectors import Collectors
 from disaggpool.sidecar.config import SidecarConfig, is_loopback
 from disaggpool.sidecar.epp import EXT_PROC_SERVICE, ExtProcServicer
@@ -67,6 +68,7 @@ class RunningSidecar:
     ext_proc_port: int = 0  # 0: no endpoint picker
     _ext_proc: grpc.aio.Server | None = None
     _ext_proc_health: health.aio.HealthServicer | None = None
+    book_bus: BookBus | None = None  # with `shared_books`
 
     @property
     def url(self) -> str:
@@ -117,6 +119,12 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
     collectors = Collectors(service, session, supervisor)
     collectors.start()
+    book_bus = None
+    if config.shared_books is not None:  # other replicas' books (sidecar.book_bus)
+        book_bus = BookBus(
+            config.shared_books, service.state, service.metrics.registry, service.clock
+        )
+        supervisor.task("book_bus", book_bus.run)
     if config.static_members:
         await collectors.scrape_once()  # know the pods' health before the first request
     counter = PromptCounter(
@@ -190,6 +198,7 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         ext_proc_port,
         ext_proc,
         ext_proc_health,
+        book_bus,
     )
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "KubernetesSource",
     "Member",
     "ReplicaBounds",
+    "SharedBooksConfig",
     "SidecarConfig",
     "TokenizerConfig",
     "is_loopback",
@@ -176,6 +177,19 @@ class TokenizerConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SharedBooksConfig:
+    """Router replicas sharing their books over NATS (`sidecar.book_bus`, CONFIG.md)."""
+
+    nats_url: str
+    subject: str
+    replica_id: str = ""  # "": the pod's name ($HOSTNAME, else the host name)
+    lease_s: float = 30.0
+    token_file: str = ""  # a NATS token, read at each (re)connect
+    credentials_file: str = ""  # a NATS .creds file (user JWT + NKey seed)
+    max_pending: int = 10_000  # events held while the bus is down; beyond: dropped, counted
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SidecarConfig:
     policy: str
     model: str
@@ -216,6 +230,7 @@ class SidecarConfig:
     kv_events: KVEventsSource | None = None
     autoscaling: AutoscalingConfig | None = None
     drift: DriftConfig | None = None
+    shared_books: SharedBooksConfig | None = None
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -273,6 +288,7 @@ _TOP = {
     "priority_scheduling",
     "autoscaling",
     "drift",
+    "shared_books",
 }
 
 
@@ -360,6 +376,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["autoscaling"] = _autoscaling(rd, top["autoscaling"])
     if "drift" in top:
         kwargs["drift"] = _drift(rd, top["drift"])
+    if "shared_books" in top:
+        kwargs["shared_books"] = _shared_books(rd, top["shared_books"], base, top.get("model"))
     a, d = kwargs.get("autoscaling"), kwargs.get("drift")
     refs = {(c.pool_namespace, c.pool_name) for c in (a, d) if c is not None and c.pool_name}
     if len(refs) > 1:  # one router, one pool
@@ -455,6 +473,62 @@ def _drift(rd: FieldReader, raw: Any) -> DriftConfig:
     if not max_error < float("inf"):  # NaN would never be exceeded, infinity never either
         raise rd.fail("drift.max_error", f"must be a finite number >= 0, got {max_error!r}")
     return DriftConfig(window, least, period, ns, name, max_error)
+
+
+def _shared_books(rd: FieldReader, raw: Any, base: Path | None, model: Any) -> SharedBooksConfig:
+    """``shared_books``: every port authenticated or loopback-only, so a NATS server beyond
+    this machine needs a token or credentials file (never a secret in the URL itself)."""
+    s = rd.mapping(raw, "shared_books")
+    keys = {"nats_url", "subject", "replica_id", "lease_s", "token_file", "credentials_file"}
+    rd.known(s, "shared_books", keys | {"max_pending"})
+    url = rd.string(s.get("nats_url"), "shared_books.nats_url")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+        raise rd.fail(
+            "shared_books.nats_url", f"must be nats://HOST:PORT or tls://HOST:PORT, got {url!r}"
+        )
+    if parsed.username or parsed.password:
+        raise rd.fail(
+            "shared_books.nats_url",
+            "carries credentials: use shared_books.token_file or credentials_file",
+        )
+    files = {
+        key: rd.path(s[key], f"shared_books.{key}", base)
+        for key in ("token_file", "credentials_file")
+        if key in s
+    }
+    if len(files) > 1:
+        raise rd.fail(
+            "shared_books.credentials_file", "set token_file or credentials_file, not both"
+        )
+    if not files and not is_loopback(parsed.hostname):
+        raise rd.fail(
+            "shared_books.nats_url",
+            f"{parsed.hostname} is beyond this machine: set shared_books.token_file or "
+            "shared_books.credentials_file",
+        )
+    default_subject = "disaggpool.books." + _subject_token(model if isinstance(model, str) else "")
+    subject = rd.string(s.get("subject", default_subject), "shared_books.subject")
+    if any(c in subject for c in " \t*>") or subject.startswith(".") or subject.endswith("."):
+        raise rd.fail("shared_books.subject", f"not a NATS subject without wildcards: {subject!r}")
+    replica = (
+        rd.string(s.get("replica_id", ""), "shared_books.replica_id", default="")
+        if "replica_id" in s
+        else ""
+    )
+    return SharedBooksConfig(
+        nats_url=url,
+        subject=subject,
+        replica_id=replica,
+        lease_s=rd.number(s.get("lease_s", 30.0), "shared_books.lease_s", positive=True),
+        max_pending=rd.integer(s.get("max_pending", 10_000), "shared_books.max_pending", minimum=1),
+        **files,
+    )
+
+
+def _subject_token(name: str) -> str:
+    """`name` as one NATS subject token (a model name has dots and slashes)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "default"
 
 
 def _pool_ref(rd: FieldReader, raw: Any, path: str) -> tuple[str, str]:

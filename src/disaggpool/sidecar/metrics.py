@@ -61,7 +61,11 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
   (`sidecar.supervise`), `disaggpool_scrape_failures_total{pod,reason}` (``refused``,
   ``timeout``, ``http``, ``malformed``), `disaggpool_auth_failures_total{port}` (``http``,
   ``grpc``, ``ext_proc``: Envoy's token on the picker's port, ``gateway``: a client's API key
-  behind Envoy).
+  behind Envoy);
+* with `shared_books` (registered by `sidecar.book_bus`, absent otherwise):
+  `disaggpool_shared_books_connected`, `disaggpool_shared_books_events_total{outcome}`
+  (``published``, ``applied``, ``ignored``, ``rejected``, ``dropped``) and
+  `disaggpool_shared_books_malformed_messages_total`.
 
 Per-pod gauges are read from the live `PoolState` at scrape time by a collector, so pods that
 leave the pool leave the page too. One registry per sidecar (tests run several in a process).
