@@ -33,8 +33,13 @@ AIPERF = "0.13.0"
 REQUESTS = 40
 RATE_RPS = 2.0
 # Two clients, one after the other, on the same idle pool with zero-jitter engines: what is left
-# is each client's own timing (when it stamps "sent", how it reads the stream).
-TTFT_TOLERANCE = 0.20  # relative, on the median
+# is each client's own timing (when it stamps "sent", how it reads the stream) and the P/D
+# decider's timing-dependent choices. aiperf's many processes stamp "sent" before a busy 2-core
+# machine gets the request out: seen 1-37 ms above loadgen's TTFT median, never below. The
+# allowance is that overhead; a front door that held the first token back would add the whole
+# decode (over a second here) and still fail.
+TTFT_TOLERANCE = 0.20  # relative, on the median ...
+CLIENT_OVERHEAD_S = 0.05  # ... plus this much of aiperf's own time
 TPOT_TOLERANCE = 0.05
 TIMEOUT_S = 1200  # a first install downloads about 230 MB of wheels
 
@@ -118,7 +123,7 @@ def aiperf_agrees_with_loadgen(aiperf: Path, url: str, model: str, tmp_path: Pat
         f"{theirs['tpot_p50_s'] * 1000:.2f} ms; [loadgen] TTFT p50 {ours['ttft_p50_s'] * 1000:.1f}"
         f" ms, TPOT p50 {ours['tpot_p50_s'] * 1000:.2f} ms"
     )
-    ttft_gap = abs(theirs["ttft_p50_s"] / ours["ttft_p50_s"] - 1)
+    ttft_gap = abs(theirs["ttft_p50_s"] - ours["ttft_p50_s"])
     tpot_gap = abs(theirs["tpot_p50_s"] / ours["tpot_p50_s"] - 1)
-    assert ttft_gap <= TTFT_TOLERANCE, (theirs, ours)
+    assert ttft_gap <= TTFT_TOLERANCE * ours["ttft_p50_s"] + CLIENT_OVERHEAD_S, (theirs, ours)
     assert tpot_gap <= TPOT_TOLERANCE, (theirs, ours)

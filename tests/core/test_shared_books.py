@@ -81,6 +81,20 @@ def test_shared_entries_are_not_the_peers_own() -> None:
     assert b.ledger.entries["r"].generated == 0
 
 
+def test_an_id_another_replica_holds_is_routed_here_as_ours() -> None:
+    """A client retrying on this replica a request another replica still books."""
+    a, b, books, sent = owner_and_peer()
+    a.routed(entry("r", "p0", "d0"))
+    deliver(books, sent, 0.0)
+    b.routed(entry("r", "p1", "d1"))
+    assert (b.inflight, b.is_inflight("r"), b.ledger.shared_entries) == (1, True, 0)
+    assert b.snapshot(0.1).prefill[0].queued_tokens == 0  # the owner's booking left
+    a.prefilled("r")
+    a.finished("r")  # the owner's word no longer moves it
+    deliver(books, sent, 0.2)
+    assert b.ledger.entries["r"].prefill == "p1" and b.inflight == 1
+
+
 def test_progress_is_sent_at_the_first_token_then_every_progress_tokens() -> None:
     a, b, books, sent = owner_and_peer(progress_tokens=16)
     a.routed(entry("r", "p0", "d0"))

@@ -151,6 +151,12 @@ class Pods(Generic[P]):
         return entry is not None and entry.owner is None
 
     def routed(self, entry: Entry) -> None:
+        held = self.ledger.entries.get(entry.request_id)
+        if held is not None and held.owner is not None and entry.owner is None:
+            # The id is in flight on another replica: most likely a client retrying elsewhere
+            # after that replica failed. Our own client's request wins; the owner's later events
+            # for the id are ignored (`SharedBooks.apply`), so it is counted once, as ours.
+            self.finished(entry.request_id)
         self.ledger.routed(entry)
         self.touched(entry)
         if self.listener is not None:
