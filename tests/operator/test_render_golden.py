@@ -502,6 +502,61 @@ def test_grpc_listens_beyond_loopback_only_with_a_token() -> None:
             }  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("secret", "file", "key"),
+    [("tokenSecret", "token", "token"), ("credentialsSecret", "nats.creds", "credentials_file")],
+)
+def test_shared_books_reach_every_router_replica_with_their_secret(
+    secret: str, file: str, key: str
+) -> None:
+    """`router.sharedBooks`: the bus's URL and its Secret mounted as a file, in the sidecar's own
+    words (and parsed by it); each replica names itself (no per-replica config)."""
+    books = {"natsUrl": "nats://nats.infra:4222", secret: {"name": "nats-auth"}}
+    pool, spec = _spec("small.yaml", router__replicas=3, router__sharedBooks=books)
+    config = yaml.safe_load(render_router_config(pool, spec))
+    path = f"/var/run/disaggpool/nats/{file}"
+    option = "token_file" if key == "token" else key
+    assert config["shared_books"] == {"nats_url": "nats://nats.infra:4222", option: path}
+    parsed = parse_config(config, "sidecar.yaml")
+    assert parsed.shared_books is not None and parsed.shared_books.replica_id == ""
+    router = _objects(render_pool(pool, spec), "Deployment")["small-router"]["spec"]
+    assert router["replicas"] == 3
+    pod = router["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "nats-auth")
+    assert volume["secret"]["items"][0]["path"] == file
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "nats-auth")
+    assert mount["mountPath"] + "/" + file == path
+    # Without the field: none of it.
+    pool, plain = _spec("small.yaml", router__replicas=3)
+    assert "shared_books" not in yaml.safe_load(render_router_config(pool, plain))
+    assert "nats" not in json.dumps(render_pool(pool, plain))
+
+
+@pytest.mark.parametrize(
+    ("books", "field"),
+    [
+        ({"natsUrl": "nats://nats.infra:4222"}, "tokenSecret"),
+        ({"natsUrl": "http://nats.infra:4222", "tokenSecret": {"name": "n"}}, "natsUrl"),
+        ({"natsUrl": "nats://u:p@nats.infra:4222", "tokenSecret": {"name": "n"}}, "natsUrl"),
+        ({"tokenSecret": {"name": "n"}}, "natsUrl"),
+        (
+            {
+                "natsUrl": "nats://nats.infra:4222",
+                "tokenSecret": {"name": "n"},
+                "credentialsSecret": {"name": "c"},
+            },
+            "tokenSecret",
+        ),
+    ],
+)
+def test_shared_books_without_a_usable_bus_name_the_field(books: Any, field: str) -> None:
+    doc = yaml.safe_load((MANIFESTS / "samples" / "small.yaml").read_text())["spec"]
+    doc["router"]["sharedBooks"] = books
+    spec, issues = parse_spec(doc, "img")
+    assert spec is None
+    assert [i.field for i in issues] == [f"router.sharedBooks.{field}"], issues
+
+
 def test_the_drift_bound_reaches_the_router() -> None:
     pool, spec = _spec("small.yaml", calibration__maxPredictionError=0.25)
     config = yaml.safe_load(render_router_config(pool, spec))

@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.errors import InputError
@@ -36,6 +37,7 @@ __all__ = [
     "FieldReader",
     "ProblemHandler",
     "Section",
+    "nats_url_problem",
     "raise_at_first",
     "read_slo_classes",
 ]
@@ -307,3 +309,14 @@ def read_slo_classes(rd: FieldReader, raw: Any, path: str = "slo_classes") -> tu
         raise rd.fail(path, "class names must be unique")
     first = default or classes[0]
     return (first, *[c for c in classes if c is not first])
+
+
+def nats_url_problem(url: str) -> str | None:
+    """What is wrong with a NATS server's URL (the shared-books bus), or None. Read by the
+    sidecar's config and the operator's `router.sharedBooks`, so both say the same."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+        return f"must be nats://HOST:PORT or tls://HOST:PORT, got {url!r}"
+    if parsed.username or parsed.password:
+        return "carries credentials: give them as a token or credentials file (a Secret)"
+    return None

@@ -64,7 +64,7 @@ from disaggpool.operator.names import (
     stamp,
     workload_name,
 )
-from disaggpool.operator.spec import PoolSpec, RoleSpec, VariantSpec
+from disaggpool.operator.spec import PoolSpec, RoleSpec, SharedBooksSpec, VariantSpec
 
 __all__ = [
     "API_KEY_DIR",
@@ -89,6 +89,9 @@ ROUTER_CONFIG_KEY = "sidecar.yaml"
 API_KEY_DIR = "/var/run/disaggpool/api-key"
 GRPC_TOKEN_DIR = "/var/run/disaggpool/grpc-token"
 API_KEY_FILE, GRPC_TOKEN_FILE = "api-key", "token"
+#: The shared-books bus's token or NATS credentials file (`router.sharedBooks`).
+NATS_AUTH_DIR = "/var/run/disaggpool/nats"
+NATS_TOKEN_FILE, NATS_CREDENTIALS_FILE = "token", "nats.creds"
 #: What the probe reads its API key from (`disaggpool calibrate`).
 API_KEY_ENV = "DISAGGPOOL_API_KEY"
 #: The user the router, the probe and restricted vLLM pods run as ("nonroot" by convention).
@@ -386,6 +389,7 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         # No token: open by the spec's choice, behind the pool's NetworkPolicy (spec.py checks).
         **({"grpc": {"allow_unauthenticated": True}} if r.grpc_open and not r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
+        **({"shared_books": _shared_books_config(r.shared_books)} if r.shared_books else {}),
         **({"gateway": gateway} if gateway else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         **({"drift": drift} if watches_drift(spec) else {}),
@@ -412,6 +416,17 @@ def _auth_config() -> dict[str, str]:
     """The pool's one key: what the router requires of its clients and sends to the pods."""
     key = f"{API_KEY_DIR}/{API_KEY_FILE}"
     return {"api_keys_file": key, "upstream_api_key_file": key}
+
+
+def _shared_books_config(books: SharedBooksSpec) -> dict[str, str]:
+    """The bus's URL and the file its Secret is mounted as; each replica names itself by its
+    pod's name (the sidecar's default), so nothing per replica is rendered."""
+    if books.token is not None:
+        return {"nats_url": books.nats_url, "token_file": f"{NATS_AUTH_DIR}/{NATS_TOKEN_FILE}"}
+    return {
+        "nats_url": books.nats_url,
+        "credentials_file": f"{NATS_AUTH_DIR}/{NATS_CREDENTIALS_FILE}",
+    }
 
 
 def _pool_ref(pool: PoolRef) -> dict[str, str]:
@@ -461,6 +476,14 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
     if grpc is not None:
         volumes.append(_secret_volume("grpc-token", grpc.name, grpc.key, GRPC_TOKEN_FILE))
         mounts.append({"name": "grpc-token", "mountPath": GRPC_TOKEN_DIR, "readOnly": True})
+    books = spec.router.shared_books
+    for ref, file in (
+        (books and books.token, NATS_TOKEN_FILE),
+        (books and books.credentials, NATS_CREDENTIALS_FILE),
+    ):
+        if ref:  # one of the two (spec.py)
+            volumes.append(_secret_volume("nats-auth", ref.name, ref.key, file))
+            mounts.append({"name": "nats-auth", "mountPath": NATS_AUTH_DIR, "readOnly": True})
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
     service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
     if spec.router.grpc_exposed:  # else gRPC listens on the pod's loopback: nothing to expose

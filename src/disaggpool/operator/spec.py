@@ -33,7 +33,13 @@ from disaggpool.core.policies.registry import (
 )
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
-from disaggpool.formats.fields import KUBERNETES, CollectProblems, FieldReader, Section
+from disaggpool.formats.fields import (
+    KUBERNETES,
+    CollectProblems,
+    FieldReader,
+    Section,
+    nats_url_problem,
+)
 
 __all__ = [
     "MANAGED_VLLM_FLAGS",
@@ -52,6 +58,7 @@ __all__ = [
     "RouterSpec",
     "SLOClassSpec",
     "SecretKeyRef",
+    "SharedBooksSpec",
     "SpecIssue",
     "VariantSpec",
     "check_pool_name",
@@ -100,6 +107,16 @@ class SecretKeyRef:
 
     name: str
     key: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedBooksSpec:
+    """`router.sharedBooks`: the router replicas share their books over a NATS server the user
+    runs (docs/shared-books.md); the operator takes its URL and credentials, it runs no bus."""
+
+    nats_url: str
+    token: SecretKeyRef | None = None
+    credentials: SecretKeyRef | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,6 +217,7 @@ class RouterSpec:
     # only with `networkPolicy.enabled`, which then keeps all but its clients off the ports.
     grpc_open: bool = False
     mode: str = "frontdoor"  # ROUTER_MODES
+    shared_books: SharedBooksSpec | None = None
 
     @property
     def grpc_exposed(self) -> bool:
@@ -301,6 +319,23 @@ def _secret_ref(parent: Section, key: str, default_key: str) -> SecretKeyRef | N
     if not _SECRET_KEY.match(ref_key):
         sec.problem("key", f"not a Secret key: {ref_key!r}")
     return SecretKeyRef(name, ref_key)
+
+
+def _shared_books(router: Section) -> SharedBooksSpec | None:
+    """``router.sharedBooks``: a NATS URL and the Secret that authenticates to it (every port
+    authenticated: a server beyond the pod always needs one, and the pod runs none itself)."""
+    if "sharedBooks" not in router:
+        return None
+    sec = router.section("sharedBooks")
+    url = sec.string("natsUrl")
+    problem = nats_url_problem(url)
+    if problem is not None:
+        sec.problem("natsUrl", problem)
+    token = _secret_ref(sec, "tokenSecret", "token")
+    credentials = _secret_ref(sec, "credentialsSecret", "nats.creds")
+    if (token is None) == (credentials is None):
+        sec.problem("tokenSecret", "set tokenSecret or credentialsSecret (one of them)")
+    return SharedBooksSpec(url, token, credentials)
 
 
 _PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
@@ -505,6 +540,7 @@ def parse_spec(
         grpc_token=_secret_ref(rt.section("grpc"), "tokenSecret", "token"),
         grpc_open=rt.section("grpc").boolean("allowUnauthenticated", False),
         mode=rt.string("mode", default_mode),
+        shared_books=_shared_books(rt),
     )
     if router.mode not in ROUTER_MODES:
         rt.problem("mode", f"must be frontdoor or gateway, got {router.mode!r}")

@@ -28,7 +28,7 @@ from disaggpool.core.policies.registry import (
 )
 from disaggpool.core.predictor import make_predictor
 from disaggpool.errors import InputError
-from disaggpool.formats.fields import FieldReader, read_slo_classes
+from disaggpool.formats.fields import FieldReader, nats_url_problem, read_slo_classes
 from disaggpool.formats.profiles import load_yaml
 from disaggpool.kubeclient import parse_selector
 from disaggpool.pdwire import POD_CONNECTION_REUSE_S
@@ -482,16 +482,10 @@ def _shared_books(rd: FieldReader, raw: Any, base: Path | None, model: Any) -> S
     keys = {"nats_url", "subject", "replica_id", "lease_s", "token_file", "credentials_file"}
     rd.known(s, "shared_books", keys | {"max_pending"})
     url = rd.string(s.get("nats_url"), "shared_books.nats_url")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
-        raise rd.fail(
-            "shared_books.nats_url", f"must be nats://HOST:PORT or tls://HOST:PORT, got {url!r}"
-        )
-    if parsed.username or parsed.password:
-        raise rd.fail(
-            "shared_books.nats_url",
-            "carries credentials: use shared_books.token_file or credentials_file",
-        )
+    problem = nats_url_problem(url)
+    if problem is not None:
+        raise rd.fail("shared_books.nats_url", problem)
+    host = urlparse(url).hostname or ""
     files = {
         key: rd.path(s[key], f"shared_books.{key}", base)
         for key in ("token_file", "credentials_file")
@@ -501,10 +495,10 @@ def _shared_books(rd: FieldReader, raw: Any, base: Path | None, model: Any) -> S
         raise rd.fail(
             "shared_books.credentials_file", "set token_file or credentials_file, not both"
         )
-    if not files and not is_loopback(parsed.hostname):
+    if not files and not is_loopback(host):
         raise rd.fail(
             "shared_books.nats_url",
-            f"{parsed.hostname} is beyond this machine: set shared_books.token_file or "
+            f"{host} is beyond this machine: set shared_books.token_file or "
             "shared_books.credentials_file",
         )
     default_subject = "disaggpool.books." + _subject_token(model if isinstance(model, str) else "")
