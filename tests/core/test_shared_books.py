@@ -95,6 +95,41 @@ def test_an_id_another_replica_holds_is_routed_here_as_ours() -> None:
     assert b.ledger.entries["r"].prefill == "p1" and b.inflight == 1
 
 
+def test_a_snapshot_teaches_a_replica_that_joins_and_heals_a_lost_finished() -> None:
+    a, b, books, sent = owner_and_peer()
+    a.routed(entry("queued", "p0", "d0"))
+    a.routed(entry("late", "p1", None))
+    a.routed(entry("local", None, "d1", n=900))
+    a.routed(entry("stream", "p0", "d1", at=0.1))
+    a.prefilled("stream")
+    a.progress("stream", 30, now=0.5, first_token_at=0.3)
+    sent.clear()  # b joins now: it heard none of that
+    publisher = a.listener
+    assert isinstance(publisher, Publisher)
+
+    def snapshot(now: float) -> None:
+        ids = [rid for rid, e in a.ledger.entries.items() if e.owner is None]
+        sent.extend(publisher.snapshot(a.ledger.entries.values()))
+        deliver(books, sent, now)
+        books.holding("a", ids, now)
+
+    snapshot(0.6)
+    assert b.snapshot(0.7) == a.snapshot(0.7)
+    # The same snapshot again changes nothing.
+    snapshot(0.7)
+    assert b.snapshot(0.8) == a.snapshot(0.8)
+    # `finished` and `bound` lost on the way (a server restart): the next snapshot heals both.
+    a.finished("queued")
+    a.prefilled("late")
+    a.bind_decode("late", "d0")
+    sent.clear()
+    assert b.snapshot(0.9) != a.snapshot(0.9)
+    snapshot(1.0)
+    assert set(b.ledger.entries) == {"late", "local", "stream"}
+    assert b.snapshot(1.1) == a.snapshot(1.1)
+    assert books.holding("b", [], 1.2) == []  # its own name: nothing of its own is dropped
+
+
 def test_progress_is_sent_at_the_first_token_then_every_progress_tokens() -> None:
     a, b, books, sent = owner_and_peer(progress_tokens=16)
     a.routed(entry("r", "p0", "d0"))

@@ -1,6 +1,7 @@
 """Shared books over a real nats-server on loopback (`sidecar.book_bus`): two routing services
 on one subject see each other's requests; the bus down, each routes on its own books and says
-so; the server back, they share again. Config errors name the field."""
+so; the server back, they share again; a replica that joins, or missed events, is sent the
+others' books. Config errors name the field."""
 
 from __future__ import annotations
 
@@ -72,8 +73,12 @@ def nats_server() -> Iterator[NatsServer]:
     server.stop()
 
 
-def service(url: str, replica: str) -> tuple[RoutingService, BookBus, Supervisor]:
-    shared = SharedBooksConfig(nats_url=url, subject="test.books", replica_id=replica, lease_s=3.0)
+def service(
+    url: str, replica: str, lease_s: float = 3.0
+) -> tuple[RoutingService, BookBus, Supervisor]:
+    shared = SharedBooksConfig(
+        nats_url=url, subject="test.books", replica_id=replica, lease_s=lease_s
+    )
     config = SidecarConfig(
         policy="least_loaded",
         model="m",
@@ -169,6 +174,36 @@ async def test_a_silent_owner_loses_its_entries_with_its_lease(nats_server: Nats
         await both(sup_a.stop(), sup_b.stop())
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_a_replica_that_joins_or_missed_events_gets_the_others_books_at_once(
+    nats_server: NatsServer,
+) -> None:
+    """With a 30 s lease the heartbeat snapshots come every 10 s: within 5 s, only the answer to
+    a replica's hello can have brought the books."""
+    a, _, sup_a = service(nats_server.url, "a", lease_s=30.0)
+    b, bus_b, sup_b = service(nats_server.url, "b", lease_s=30.0)
+    try:
+        await sup_b.stop()  # b starts later
+        await until(lambda: gauge(a, "disaggpool_shared_books_connected") == 1.0)
+        for rid in ("r1", "r2"):
+            a.route(rid, 400)
+        sup_b = Supervisor(b.metrics.loop_errors, b.metrics.loop_restarts)
+        sup_b.task("book_bus", bus_b.run)  # b joins: a's two requests reach its books
+        await until(lambda: foreign(b, "r1") == "a" and foreign(b, "r2") == "a", timeout=5.0)
+
+        await sup_b.stop()  # b goes away; r1 finishes meanwhile and b misses it
+        a.finished("r1", 1, 0.1, 0.01)
+        assert foreign(b, "r1") == "a"
+        sup_b = Supervisor(b.metrics.loop_errors, b.metrics.loop_restarts)
+        sup_b.task("book_bus", bus_b.run)  # back: its hello brings a's books as they stand
+        await until(lambda: "r1" not in b.state.ledger.entries, timeout=5.0)
+        assert foreign(b, "r2") == "a"
+        assert gauge(b, "disaggpool_shared_books_malformed_messages_total") == 0.0
+    finally:
+        await both(sup_a.stop(), sup_b.stop())
+
+
 def test_malformed_messages_are_counted_never_raised() -> None:
     svc = RoutingService(
         SidecarConfig(policy="least_loaded", model="m", slo_classes=(SLO,), static_members=MEMBERS)
@@ -179,10 +214,12 @@ def test_malformed_messages_are_counted_never_raised() -> None:
     bus.receive(b"not json")
     bus.receive(b'{"owner": "x"}')
     bus.receive(json.dumps({"owner": "x", "events": [{"kind": "nope"}, 3]}).encode())
+    bus.receive(json.dumps({"owner": "x", "events": [], "holding": "q"}).encode())
+    bus.receive(json.dumps({"owner": "x", "events": [], "holding": [], "hello": 1}).encode())
     event = {"kind": "booked", "request_id": "q", "owner": "x", "prefill": "p0", "slo": "chat"}
     bus.receive(json.dumps({"owner": "x", "events": [event]}).encode())
     bus.receive(json.dumps({"owner": "me", "events": [{**event, "owner": "me"}]}).encode())
-    assert gauge(svc, "disaggpool_shared_books_malformed_messages_total") == 2
+    assert gauge(svc, "disaggpool_shared_books_malformed_messages_total") == 4
     assert gauge(svc, "disaggpool_shared_books_events_total", outcome="rejected") == 2
     assert gauge(svc, "disaggpool_shared_books_events_total", outcome="applied") == 1
     assert foreign(svc, "q") == "x"

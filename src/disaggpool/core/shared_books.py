@@ -33,12 +33,19 @@ without any other event would lose them here (a production publisher also sends 
 Events of an entry this replica does not hold (one that arrived after its lease, a duplicate
 ``finished``) are ignored; so are events claiming a request id another owner holds.
 
+**Snapshots** heal what a bus loses and teach a replica that joins: `Publisher.snapshot` states
+an owner's whole books as events (each request ``booked`` as it stands, then ``bound``,
+``prefilled`` and its ``progress``), and `SharedBooks.holding`, applied after them, drops the
+owner's entries it no longer names (a ``finished`` lost in a server restart). Applying a
+snapshot to books that already hold it changes nothing, so one can be sent whenever it helps
+(the sidecar sends one on connecting, to every new owner, and as its heartbeat).
+
 Pure and synchronous: times are passed in, sending is the caller's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from disaggpool.core.book_event import BookEvent
@@ -70,25 +77,50 @@ class Publisher:
         self._sent: dict[str, int] = {}  # request id -> `generated` of its last progress event
 
     def booked(self, entry: Entry) -> None:
-        if entry.owner is not None:
-            return
+        if entry.owner is None:
+            self.send(self._booked(entry))
+
+    def snapshot(self, entries: Iterable[Entry]) -> list[BookEvent]:
+        """The owner's own `entries` as events that book each as it stands (module docstring);
+        `SharedBooks.holding` with their ids follows them."""
+        events = []
+        for entry in entries:
+            if entry.owner is not None:
+                continue
+            events.append(self._booked(entry))
+            rid = entry.request_id
+            if entry.decode is not None:  # for books that hold it unbound
+                events.append(BookEvent("bound", rid, self.owner, decode=entry.decode))
+            if entry.prefilled and entry.prefill is not None:
+                events.append(BookEvent("prefilled", rid, self.owner))
+            if entry.decoding:
+                events.append(
+                    BookEvent(
+                        "progress",
+                        rid,
+                        self.owner,
+                        generated=entry.generated,
+                        first_token_at=entry.first_token_at,
+                    )
+                )
+        return events
+
+    def _booked(self, entry: Entry) -> BookEvent:
         slo = entry.slo
-        self.send(
-            BookEvent(
-                "booked",
-                entry.request_id,
-                self.owner,
-                prefill=entry.prefill,
-                decode=entry.decode,
-                prompt_tokens=entry.prompt_tokens,
-                predicted_output=entry.predicted_output,
-                cached_tokens=entry.cached_tokens,
-                priority=entry.priority,
-                slo=slo.name,
-                ttft_s=slo.ttft_s,
-                tpot_s=slo.tpot_s,
-                routed_at=entry.routed_at,
-            )
+        return BookEvent(
+            "booked",
+            entry.request_id,
+            self.owner,
+            prefill=entry.prefill,
+            decode=entry.decode,
+            prompt_tokens=entry.prompt_tokens,
+            predicted_output=entry.predicted_output,
+            cached_tokens=entry.cached_tokens,
+            priority=entry.priority,
+            slo=slo.name,
+            ttft_s=slo.ttft_s,
+            tpot_s=slo.tpot_s,
+            routed_at=entry.routed_at,
         )
 
     def bound(self, entry: Entry) -> None:
@@ -161,6 +193,22 @@ class SharedBooks:
             self.ledger.finished(entry.request_id)
         self.pods.touched(entry)
         return entry
+
+    def holding(self, owner: str, request_ids: Collection[str], now: float) -> list[Entry]:
+        """`owner` holds exactly `request_ids` (the end of its snapshot): drop its entries not
+        among them, and return those."""
+        if owner == self.owner:
+            return []
+        self.heard[owner] = now
+        gone = [
+            e
+            for e in self.ledger.entries.values()
+            if e.owner == owner and e.request_id not in request_ids
+        ]
+        for entry in gone:
+            self.ledger.finished(entry.request_id)
+            self.pods.touched(entry)
+        return gone
 
     def expire(self, now: float) -> list[Entry]:
         """Drop the entries of every owner not heard from for `lease_s`; returns them."""

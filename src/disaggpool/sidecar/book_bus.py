@@ -14,18 +14,23 @@ Times cross the bus as wall-clock seconds: each replica's clock is its own monot
 `routed_at` and `first_token_at` are moved onto `time.time()` when published and back onto the
 local clock when applied (replicas need NTP-synced hosts, as any Kubernetes node has).
 
-Liveness of the owners: every message renews its owner's lease, and an idle replica sends an
-empty message every `lease_s / 3` (a heartbeat), so that its queued requests stay booked
-elsewhere; `SharedBooks.expire` runs as often and drops the entries of an owner silent for
-`lease_s` (a dead replica's books do not linger).
+Liveness of the owners: every message renews its owner's lease, and every `lease_s / 3` a
+replica sends a snapshot of its books (`Publisher.snapshot`, then the ids it holds as the
+message's ``holding``), so that its queued requests stay booked elsewhere and whatever the bus
+lost is healed within that period; `SharedBooks.expire` runs as often and drops the entries of an
+owner silent for `lease_s` (a dead replica's books do not linger). A replica that connects or
+reconnects sends its snapshot marked ``hello``: it may have missed events, so every other
+replica answers with its own snapshot (as each does when an owner it has not heard from
+speaks). A replica that joins learns the others' books at once, and after a server restart every
+replica's books are restated.
 
 The bus down is not an outage: each replica falls back to its own books (the foreign entries
 leave with their owners' leases), visibly: `disaggpool_shared_books_connected` drops to 0 and a
 log line says so; readiness is untouched. nats-py reconnects on its own; while it is away the
 events wait in a queue of at most `max_pending` (the oldest dropped and counted beyond it), and
 publishing never blocks routing: the router only appends to that queue. Events published while
-the server itself restarts are lost (core NATS keeps nothing); a lost ``finished`` leaves a
-foreign entry until `inflight_ttl_s` (the router's expiry) or its owner's lease ends.
+the server itself restarts are lost (core NATS keeps nothing), until the owner's next
+snapshot (on its reconnection) restates its books.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ __all__ = ["MAX_BATCH", "BookBus", "replica_name"]
 log = logging.getLogger("disaggpool.sidecar")
 
 MAX_BATCH = 1000  # events per message (about 300 bytes each: far below NATS' 1 MiB payload)
+MAX_HOLDING = 100_000  # request ids a snapshot may name (a router holds `max_inflight`)
 _CONNECT_BACKOFF_S = (0.5, 5.0)  # first connect: retry every 0.5 s, doubling up to 5 s
 
 
@@ -81,9 +87,15 @@ class BookBus:
         self.clock = clock
         self.wall = wall
         self.shared = SharedBooks(pods, self.owner, lease_s=config.lease_s)
-        pods.listener = Publisher(self.owner, self._queue)
+        self.pods = pods
+        self.publisher = Publisher(self.owner, self._queue)
+        pods.listener = self.publisher
+        # Events, and the end of each snapshot: ``{"holding": [ids]}``, sent with the events
+        # before it (the order on the bus is the order here).
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
+        self._snapshot_due = False  # send our snapshot (the heartbeat, or asked for)
+        self._hello = False  # send it asking for the others' (connected, or reconnected)
         self._nc: Client | None = None
         self._closing = False  # closing it ourselves: no disconnect warning
         self._errors_seen: set[str] = set()
@@ -117,15 +129,36 @@ class BookBus:
         self._pending.append(data)
         self._wake.set()
 
-    async def _flush(self) -> None:
-        """Send what is queued, a message per `MAX_BATCH` events, while connected."""
-        nc = self._nc
-        while self._pending and nc is not None and nc.is_connected:
-            batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
-            await self._send(nc, batch)
+    def _queue_snapshot(self, hello: bool) -> None:
+        """This replica's books as it holds them now, to be sent in order with the events;
+        `hello`: ask the others for theirs."""
+        own = [e for e in self.pods.ledger.entries.values() if e.owner is None]
+        for event in self.publisher.snapshot(own):
+            self._queue(event)
+        self._pending.append({"holding": [e.request_id for e in own], "hello": hello})
+        self._wake.set()
 
-    async def _send(self, nc: Client, events: list[dict[str, Any]]) -> None:
-        payload = json.dumps({"owner": self.owner, "events": events}, separators=(",", ":"))
+    async def _flush(self) -> None:
+        """Send what is queued, a message per `MAX_BATCH` events or up to a snapshot's end,
+        while connected."""
+        nc = self._nc
+        pending = self._pending
+        while pending and nc is not None and nc.is_connected:
+            batch: list[dict[str, Any]] = []
+            end: dict[str, Any] = {}  # a snapshot's end: its "holding" and "hello"
+            while pending and len(batch) < MAX_BATCH:
+                item = pending.popleft()
+                if "holding" in item:
+                    end = item
+                    break
+                batch.append(item)
+            await self._send(nc, batch, end)
+
+    async def _send(
+        self, nc: Client, events: list[dict[str, Any]], end: dict[str, Any] | None = None
+    ) -> None:
+        doc: dict[str, Any] = {"owner": self.owner, "events": events, **(end or {})}
+        payload = json.dumps(doc, separators=(",", ":"))
         try:
             await nc.publish(self.config.subject, payload.encode())
         except Exception as exc:  # the connection went between the check and the write
@@ -145,6 +178,15 @@ class BookBus:
             owner, raw = doc["owner"], doc["events"]
             if not isinstance(owner, str) or not owner or not isinstance(raw, list):
                 raise ValueError("needs a non-empty 'owner' and a list of 'events'")
+            holding, hello = doc.get("holding"), doc.get("hello", False)
+            if not isinstance(hello, bool):
+                raise ValueError("'hello' must be true or false")
+            if holding is not None and not (
+                isinstance(holding, list)
+                and len(holding) <= MAX_HOLDING
+                and all(isinstance(i, str) for i in holding)
+            ):
+                raise ValueError(f"'holding' must be a list of at most {MAX_HOLDING} request ids")
         except (ValueError, TypeError, KeyError) as exc:
             self.malformed.inc()
             self._log_once(f"malformed shared-books message: {exc!r}")
@@ -152,7 +194,10 @@ class BookBus:
         if owner == self.owner:
             return
         now, offset = self.clock(), self.clock() - self.wall()
-        self.shared.heard[owner] = now  # a heartbeat, or about to be renewed by its events
+        if hello or owner not in self.shared.heard:  # it may lack our books: restate them
+            self._snapshot_due = True
+            self._wake.set()
+        self.shared.heard[owner] = now  # renewed by any message, events or not
         for item in raw:
             try:
                 if not isinstance(item, dict):
@@ -170,6 +215,8 @@ class BookBus:
                 continue
             changed = self.shared.apply(event, now)
             self.events.labels("applied" if changed is not None else "ignored").inc()
+        if holding is not None:
+            self.shared.holding(owner, set(holding), now)
 
     # ------------------------------------------------------------------ the supervised task
     async def run(self) -> None:
@@ -182,30 +229,27 @@ class BookBus:
             log.info("shared books: connected to %s as %s", self.config.nats_url, self.owner)
             period = self.config.lease_s / 3.0
             beat = self.clock()
+            self._hello = True
+            self._wake.set()
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=period)
                 self._wake.clear()
-                await self._flush()
                 now = self.clock()
                 if now - beat >= period:
                     beat = now
-                    if nc.is_connected and not self._pending:
-                        await self._send_heartbeat(nc)
+                    self._snapshot_due = True  # the heartbeat
                     self.shared.expire(now)
+                if (self._snapshot_due or self._hello) and nc.is_connected:
+                    self._queue_snapshot(self._hello)
+                    self._snapshot_due = self._hello = False
+                await self._flush()
         finally:
             self._nc = None
             self.connected.set(0)
             self._closing = True
             await nc.close()
             self._closing = False
-
-    async def _send_heartbeat(self, nc: Client) -> None:
-        payload = json.dumps({"owner": self.owner, "events": []}).encode()
-        try:
-            await nc.publish(self.config.subject, payload)
-        except Exception as exc:
-            self._log_once(f"heartbeat failed: {exc!r}")
 
     async def _connect(self) -> Client:
         wait, attempt = _CONNECT_BACKOFF_S[0], 0
@@ -261,6 +305,7 @@ class BookBus:
         self.connected.set(1)
         self._errors_seen.clear()
         log.info("shared books: reconnected to %s", self.config.nats_url)
+        self._hello = True  # what went on meanwhile may be lost: restate, and ask
         self._wake.set()
 
     def _log_once(self, message: str) -> None:
