@@ -198,7 +198,7 @@ class LeaderElectionConfig:
 
     namespace: str
     name: str
-    identity: str = ""  # "": the pod's name ($HOSTNAME, else the host name)
+    identity: str = ""  # "": the pod's name ($HOSTNAME, else the host name), "_", 8 hex digits
     timings: LeaseTimings = dataclasses.field(default_factory=LeaseTimings)
 
 

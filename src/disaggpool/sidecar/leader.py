@@ -23,6 +23,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import aiohttp
@@ -42,12 +43,19 @@ from disaggpool.sidecar.book_bus import replica_name
 from disaggpool.sidecar.config import LeaderElectionConfig
 from disaggpool.sidecar.service import RoutingService
 
-__all__ = ["LeaderElector"]
+__all__ = ["LeaderElector", "default_identity"]
 
 log = logging.getLogger("disaggpool.sidecar")
 
 _API = "coordination.k8s.io/v1"
 _ERRORS = (ApiError, KubeUnavailable, aiohttp.ClientError, OSError, TimeoutError)
+
+
+def default_identity() -> str:
+    """The pod's name and a suffix of this process's own (controller-runtime names its holders
+    alike): a container the kubelet restarts in the same pod is a new candidate, which waits out
+    its predecessor's lease like any other rather than resuming a term it knows nothing of."""
+    return f"{replica_name()}_{uuid.uuid4().hex[:8]}"
 
 
 class LeaderElector:
@@ -65,7 +73,7 @@ class LeaderElector:
     ) -> None:
         self.config = config
         self.service = service
-        self.identity = config.identity or replica_name()
+        self.identity = config.identity or default_identity()
         self.clock, self.wall = clock, wall
         self.timings = config.timings
         self._kube_factory = kube or (lambda: Kube.from_environment(session=session))
