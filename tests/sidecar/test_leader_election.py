@@ -65,7 +65,7 @@ class FaultyKube(Kube):
 
     def __init__(self, cluster: Cluster) -> None:
         super().__init__(load_credentials(str(cluster.kubeconfig)))
-        self.fault: str = ""  # "", "down" (connection refused), "hang", "forbidden"
+        self.fault: str = ""  # "", "down" (connection refused), "hang", "forbidden", "bug"
         self.barrier: asyncio.Barrier | None = None  # writes wait for each other
 
     async def _gate(self, method: str, path: str) -> None:
@@ -75,6 +75,8 @@ class FaultyKube(Kube):
             await asyncio.sleep(3600)
         if self.fault == "forbidden":
             raise ApiError(method, path, 403, "leases is forbidden (injected)")
+        if self.fault == "bug":
+            raise ValueError("an error the elector does not expect (injected)")
 
     async def get(self, path: str) -> dict[str, Any] | None:
         await self._gate("GET", path)
@@ -162,6 +164,15 @@ async def lease_spec(cluster: Cluster, name: str) -> dict[str, Any]:
     return dict(obj["spec"])
 
 
+async def lead_and_stand_by(a: Replica, b: Replica, *, wait: bool = True) -> None:
+    """Start `a` until it leads, then `b` (until it stands by, with `wait`)."""
+    a.start()
+    await until(lambda: a.elector.leading, "a to lead", 10)
+    b.start()
+    if wait:
+        await until(lambda: b.service.standby.endswith("held by a"), "b to stand by", 10)
+
+
 def leaders(rs: list[Replica]) -> list[str]:
     return [r.elector.identity for r in rs if r.elector.leading]
 
@@ -169,9 +180,7 @@ def leaders(rs: list[Replica]) -> list[str]:
 @pytest.mark.asyncio
 async def test_one_leads_and_the_other_stands_by(cluster: Cluster) -> None:
     async with replicas(cluster, "one-leads", "a", "b") as (a, b):
-        a.start()
-        await until(lambda: a.elector.leading, "a to lead", 10)
-        b.start()
+        await lead_and_stand_by(a, b, wait=False)
         await asyncio.sleep(4 * FAST.retry_period_s + FAST.lease_duration_s)  # past one lease
         assert leaders([a, b]) == ["a"]  # a renews, so b never may take it
         assert a.service.standby == "" and a.gauge == 1.0
@@ -185,10 +194,7 @@ async def test_one_leads_and_the_other_stands_by(cluster: Cluster) -> None:
 @pytest.mark.asyncio
 async def test_a_killed_leader_is_replaced_once_its_lease_runs_out(cluster: Cluster) -> None:
     async with replicas(cluster, "killed", "a", "b") as (a, b):
-        a.start()
-        await until(lambda: a.elector.leading, "a to lead", 10)
-        b.start()
-        await until(lambda: b.service.standby.endswith("held by a"), "b to stand by", 10)
+        await lead_and_stand_by(a, b)
         await a.kill()
         took = await until(lambda: b.elector.leading, "b to take over", 15)
         # Not before the lease ran out on b's clock (b saw a's last renewal at most one retry
@@ -203,10 +209,7 @@ async def test_a_killed_leader_is_replaced_once_its_lease_runs_out(cluster: Clus
 @pytest.mark.asyncio
 async def test_a_released_lease_is_taken_at_the_next_try(cluster: Cluster) -> None:
     async with replicas(cluster, "released", "a", "b") as (a, b):
-        a.start()
-        await until(lambda: a.elector.leading, "a to lead", 10)
-        b.start()
-        await until(lambda: b.service.standby.endswith("held by a"), "b to stand by", 10)
+        await lead_and_stand_by(a, b)
         await a.kill()  # the loop stops, as the supervisor's does on SIGTERM...
         await a.elector.release()  # ...and the drain writes the Lease free
         assert not a.elector.leading and a.gauge == 0.0
@@ -255,9 +258,7 @@ async def test_a_leader_cut_off_from_the_api_server_steps_down_before_the_lease_
     cluster: Cluster,
 ) -> None:
     async with replicas(cluster, "cut-off", "a", "b") as (a, b):
-        a.start()
-        await until(lambda: a.elector.leading, "a to lead", 10)
-        b.start()
+        await lead_and_stand_by(a, b, wait=False)
         a.kube.fault = "down"
         stepped = await until(lambda: not a.elector.leading, "a to step down", 10)
         assert stepped <= FAST.renew_deadline_s + FAST.retry_period_s + 0.5
@@ -276,7 +277,7 @@ async def test_a_hanging_renewal_is_cut_off_at_the_renew_deadline(cluster: Clust
         await until(lambda: a.elector.leading, "a to lead", 10)
         a.kube.fault = "hang"
         stepped = await until(lambda: not a.elector.leading, "a to step down", 10)
-        assert stepped <= FAST.renew_deadline_s + 0.5  # the request cut at the deadline
+        assert stepped <= FAST.renew_deadline_s + FAST.retry_period_s + 1.0  # cut at the deadline
         a.kube.fault = ""
         await until(lambda: a.elector.leading, "a to lead again (its own Lease)", 10)
 
@@ -286,10 +287,29 @@ async def test_no_rights_on_leases_stands_by_and_counts(cluster: Cluster) -> Non
     async with replicas(cluster, "forbidden", "a") as (a,):
         a.kube.fault = "forbidden"
         a.start()
-        await until(lambda: a.errors >= 3, "three failed tries", 10)
+        await until(lambda: a.errors >= 3, "three failed tries", 30)
         assert not a.elector.leading and a.service.standby.startswith("standby")
         a.kube.fault = ""
         await until(lambda: a.elector.leading, "a to lead once allowed", 10)
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_makes_the_leader_stand_by_before_the_supervisor_backs_off(
+    cluster: Cluster,
+) -> None:
+    async with replicas(cluster, "bug", "a") as (a,):
+        await a.elector.step()
+        assert a.elector.leading
+        a.kube.fault = "bug"
+        with pytest.raises(ValueError, match="does not expect"):
+            await a.elector.step()  # raised to the supervisor, which counts it...
+        assert not a.elector.leading and a.gauge == 0.0  # ...after standing by
+        assert a.service.standby.endswith(
+            "(ValueError: an error the elector does not expect (injected))"
+        )
+        a.kube.fault = ""
+        await a.elector.step()
+        assert a.elector.leading  # its own Lease again
 
 
 @pytest.mark.asyncio

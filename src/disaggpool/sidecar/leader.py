@@ -115,6 +115,10 @@ class LeaderElector:
             self._failed(exc)
             if self.leading and renewal_overdue(self._last_renewed, self.timings, self.clock()):
                 self._step_down(f"not renewed for {self.timings.renew_deadline_s:g} s: {exc}")
+        except Exception as exc:  # a bug or a malformed Lease: the supervisor counts it and
+            if self.leading:  # backs off, which would delay the next renewal: stand by now
+                self._step_down(f"{type(exc).__name__}: {exc}")
+            raise
 
     async def _try(self) -> None:
         if self._kube is None:
