@@ -278,3 +278,42 @@ def test_a_gateway_without_a_token_is_open_only_behind_the_network_policy() -> N
     router_policy = _by_kind(docs, "NetworkPolicy")["hetero-router"]
     ports = {p["port"] for rule in router_policy["spec"]["ingress"] for p in rule["ports"]}
     assert {50051, 9002} <= ports
+
+
+@pytest.mark.parametrize(
+    ("replicas", "books", "elects"),
+    [(2, None, True), (1, None, False), (3, {"natsUrl": "nats://nats:4222"}, False)],
+)
+def test_replicated_gateway_routers_elect_a_leader_on_a_lease_of_their_own(
+    replicas: int, books: dict[str, Any] | None, elects: bool
+) -> None:
+    """Gateway mode with several router replicas and no shared books: active/passive. The
+    sidecar's config names the pool's Lease, and the router's Role may read and renew that Lease
+    by name and create Leases (create cannot be narrowed by name); nothing else on leases."""
+    router: dict[str, Any] = {**GATEWAY, "replicas": replicas}
+    if books is not None:
+        books = {**books, "tokenSecret": {"name": "nats-auth"}}
+        router["sharedBooks"] = books
+    pool, spec = _spec(router=router)
+    config = yaml.safe_load(render_router_config(pool, spec))
+    role = _by_kind(render_pool(pool, spec), "Role")[f"{pool.name}-router"]
+    lease_rules = [r for r in role["rules"] if r["apiGroups"] == ["coordination.k8s.io"]]
+    if not elects:  # one replica, or every replica routing on shared books
+        assert "leader_election" not in config and lease_rules == []
+        return
+    lease = f"{pool.name}-router-leader"
+    assert config["leader_election"] == {"namespace": "serving", "name": lease}
+    parsed = parse_config(config, "sidecar.yaml").leader_election
+    assert parsed is not None and parsed.identity == ""  # each replica: its pod's name
+    assert lease_rules == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": [lease],
+            "verbs": ["get", "update"],
+        },
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ]
+    # The frontdoor mode's replicas all route (a Service spreads requests): no election.
+    pool, spec = _spec(router={"replicas": replicas})
+    assert "leader_election" not in yaml.safe_load(render_router_config(pool, spec))

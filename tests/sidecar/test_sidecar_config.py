@@ -343,3 +343,47 @@ def test_drift_settings_are_checked(patch: dict[str, Any], field: str) -> None:
     with pytest.raises(InputError) as err:
         parse_config({**BASE, **patch}, "sidecar.yaml")
     assert err.value.field == field, str(err.value)
+
+
+LEASE = {"namespace": "serving", "name": "llama-router"}
+
+
+def test_leader_election_defaults_and_fields() -> None:
+    cfg = parse_config({**BASE, "leader_election": LEASE})
+    le = cfg.leader_election
+    assert le is not None and (le.namespace, le.name, le.identity) == (
+        "serving",
+        "llama-router",
+        "",
+    )
+    t = le.timings  # client-go's defaults
+    assert (t.lease_duration_s, t.renew_deadline_s, t.retry_period_s) == (15.0, 10.0, 2.0)
+    timings = {"lease_duration_s": 6, "renew_deadline_s": 4, "retry_period_s": 0.5}
+    cfg = parse_config({**BASE, "leader_election": {**LEASE, "identity": "r-0", **timings}})
+    le = cfg.leader_election
+    assert le is not None and le.identity == "r-0" and le.timings.retry_period_s == 0.5
+    assert parse_config(BASE).leader_election is None
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"name": None}, "leader_election.name: must be a non-empty string"),
+        ({"name": "Router_Lease"}, "leader_election.name: not a Kubernetes object name"),
+        ({"namespace": ""}, "leader_election.namespace: must be a non-empty string"),
+        ({"identity": ""}, "leader_election.identity: must be a non-empty string"),
+        ({"lease_duration_s": 0}, "leader_election.lease_duration_s: must be > 0"),
+        (
+            {"lease_duration_s": 0.5, "renew_deadline_s": 0.2, "retry_period_s": 0.1},
+            "leader_election.lease_duration_s: must be at least 1",
+        ),
+        ({"renew_deadline_s": 15}, "leader_election.renew_deadline_s: must be shorter than"),
+        ({"retry_period_s": 10}, "leader_election.retry_period_s: must be positive and shorter"),
+        ({"renew_s": 3}, "leader_election.renew_s: unknown field"),
+    ],
+)
+def test_bad_leader_election_names_the_field(patch: dict[str, Any], message: str) -> None:
+    section = {k: v for k, v in {**LEASE, **patch}.items() if v is not None}
+    with pytest.raises(InputError) as err:
+        parse_config({**BASE, "leader_election": section}, "sidecar.yaml")
+    assert str(err.value).startswith(f"sidecar.yaml: {message}"), str(err.value)

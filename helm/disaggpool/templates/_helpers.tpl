@@ -81,4 +81,7 @@ app.kubernetes.io/component: operator
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, create, patch, delete]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 {{- end -}}

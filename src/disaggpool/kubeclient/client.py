@@ -1,9 +1,9 @@
 """`Kube`: an async REST client of one API server (aiohttp), and `ApiError`.
 
-get/list/create/merge-patch/delete by path, core/v1 Events, create-or-merge-patch of a ConfigMap,
-and `watch`: list-then-watch of a collection by label selector, re-listing when the stream ends
-and backing off on errors. Why plain REST rather than the generated `kubernetes` client: callers
-hold plain dicts and need a handful of verbs, every request stays visible (content type,
+get/list/create/replace/merge-patch/delete by path, core/v1 Events, create-or-merge-patch of a
+ConfigMap, and `watch`: list-then-watch of a collection by label selector, re-listing when the
+stream ends and backing off on errors. Why plain REST rather than the generated `kubernetes` client:
+callers hold plain dicts and need a handful of verbs, every request stays visible (content type,
 selector), and no model round-trip drops unknown fields.
 """
 
@@ -142,6 +142,12 @@ class Kube:
 
     async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self._request("POST", path, dict(body))
+        return result
+
+    async def replace(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the whole object; with ``metadata.resourceVersion`` set the API server answers
+        409 Conflict when the object changed since that version (optimistic concurrency)."""
+        result: dict[str, Any] = await self._request("PUT", path, dict(body))
         return result
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ _PLURALS = {
     "DisaggPool": "disaggpools",
     "NetworkPolicy": "networkpolicies",
     "InferencePool": "inferencepools",
+    "Lease": "leases",
 }
 
 

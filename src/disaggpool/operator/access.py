@@ -35,6 +35,7 @@ from disaggpool.operator.names import (
     decode_selector,
     pool_labels,
     profile_configmap_name,
+    router_lease_name,
     service_account_name,
 )
 from disaggpool.operator.spec import PoolSpec
@@ -95,10 +96,19 @@ ROUTER_RULES: list[dict[str, Any]] = [
 
 
 def router_rules(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """The router's Role: `ROUTER_RULES`, plus, when it reports to the operator (a decode
-    recommendation, drift errors: sidecar.pool_writer), a merge-patch of its own pool's status
-    subresource and nothing else: no verb on the pool itself, whose spec the operator deploys."""
+    """The router's Role: `ROUTER_RULES`; with `router.active_passive`, its leader Lease; and,
+    when it reports to the operator (a decode recommendation, drift errors: sidecar.pool_writer),
+    a merge-patch of its own pool's status subresource and nothing else: no verb on the pool
+    itself, whose spec the operator deploys."""
     rules = list(ROUTER_RULES)
+    if spec.router.active_passive:  # its leader Lease: read and renew that one by name...
+        lease = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
+        rules.append(
+            {**lease, "resourceNames": [router_lease_name(pool)], "verbs": ["get", "update"]}
+        )
+        # ...and create it, the first replica up: Kubernetes cannot narrow `create` by name, so
+        # this lets the router create other Leases in its namespace (never read or change them).
+        rules.append({**lease, "verbs": ["create"]})
     if writes_status(spec):
         rules.append(
             {

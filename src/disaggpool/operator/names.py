@@ -42,6 +42,7 @@ __all__ = [
     "profile_configmap_name",
     "role_service_name",
     "router_endpoint",
+    "router_lease_name",
     "router_name",
     "service_account_name",
     "stamp",
@@ -125,6 +126,11 @@ def decode_selector(pool: PoolRef) -> dict[str, str]:
 def router_name(pool: PoolRef) -> str:
     """The router's Deployment, Service, ConfigMap and ServiceAccount."""
     return f"{pool.name}-router"
+
+
+def router_lease_name(pool: PoolRef) -> str:
+    """The Lease its replicas elect a leader on (active/passive: `leader_election`)."""
+    return f"{pool.name}-router-leader"
 
 
 def service_account_name(pool: PoolRef, who: str) -> str:

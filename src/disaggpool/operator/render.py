@@ -60,6 +60,7 @@ from disaggpool.operator.names import (
     PoolRef,
     pool_labels,
     role_service_name,
+    router_lease_name,
     router_name,
     stamp,
     workload_name,
@@ -390,6 +391,9 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         **({"grpc": {"allow_unauthenticated": True}} if r.grpc_open and not r.grpc_token else {}),
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"shared_books": _shared_books_config(r.shared_books)} if r.shared_books else {}),
+        # One picker routes, the others stand by (RouterSpec.active_passive); each replica is
+        # named by its pod's name and the timings are the sidecar's defaults.
+        **({"leader_election": _leader_election(pool)} if r.active_passive else {}),
         **({"gateway": gateway} if gateway else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         **({"drift": drift} if watches_drift(spec) else {}),
@@ -427,6 +431,10 @@ def _shared_books_config(books: SharedBooksSpec) -> dict[str, str]:
         "nats_url": books.nats_url,
         "credentials_file": f"{NATS_AUTH_DIR}/{NATS_CREDENTIALS_FILE}",
     }
+
+
+def _leader_election(pool: PoolRef) -> dict[str, str]:
+    return {"namespace": pool.namespace, "name": router_lease_name(pool)}
 
 
 def _pool_ref(pool: PoolRef) -> dict[str, str]:

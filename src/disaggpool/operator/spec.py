@@ -229,6 +229,13 @@ class RouterSpec:
         """Gateway mode: an InferencePool, the router's ext_proc port, a pd-proxy per decode pod."""
         return self.mode == "gateway"
 
+    @property
+    def active_passive(self) -> bool:
+        """Gateway mode with several replicas and no shared books: one picker is enough, so the
+        replicas elect a leader on a Lease and the others stand by (sidecar.leader). With
+        `sharedBooks` every replica routes (active/active); one replica needs no election."""
+        return self.gateway and self.replicas > 1 and self.shared_books is None
+
 
 #: `calibration.maxAttempts` unset: probes of one pod in a row before it is given up on (the demo
 #: and bench/engine_fidelity.py probe a poor fit again as many times).

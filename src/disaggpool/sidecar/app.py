@@ -32,6 +32,7 @@ from disaggpool.sidecar.config import SidecarConfig, is_loopback
 from disaggpool.sidecar.epp import EXT_PROC_SERVICE, ExtProcServicer
 from disaggpool.sidecar.frontdoor import FrontDoor
 from disaggpool.sidecar.grpc_server import SERVICE_NAME, add_router, health_status
+from disaggpool.sidecar.leader import LeaderElector
 from disaggpool.sidecar.pool_writer import AnnotationSource, DriftReport, PoolWriter
 from disaggpool.sidecar.service import RoutingService
 from disaggpool.sidecar.supervise import Supervisor
@@ -69,6 +70,7 @@ class RunningSidecar:
     _ext_proc: grpc.aio.Server | None = None
     _ext_proc_health: health.aio.HealthServicer | None = None
     book_bus: BookBus | None = None  # with `shared_books`
+    leader: LeaderElector | None = None  # with `leader_election`
 
     @property
     def url(self) -> str:
@@ -86,8 +88,11 @@ class RunningSidecar:
         """What SIGTERM does. For `shutdown_delay_s` the router serves on while its health
         (HTTP `/health`, the gRPC health service) reports it draining and every answer closes
         its connection, so Kubernetes takes the pod out of the Service's endpoints before it
-        stops listening; then `close` finishes the requests in flight."""
+        stops listening; then `close` finishes the requests in flight. A leader first writes
+        its Lease free, so a standby takes over at its next try (`sidecar.leader`)."""
         self.service.draining = True
+        if self.leader is not None:
+            await self.leader.release()
         await _publish_health(self._health, self.service)
         if self._ext_proc_health is not None:
             await _publish_epp_health(self._ext_proc_health, self.service, self.supervisor)
@@ -104,6 +109,9 @@ class RunningSidecar:
         await self._runner.cleanup()
         await self.collectors.stop()
         await self.supervisor.stop()
+        if self.leader is not None:
+            await self.leader.release()  # no-op after drain's; the Lease is not ours to keep
+            await self.leader.close()
         if self.pool_writer is not None:
             await self.pool_writer.stop()
         await self._session.close()
@@ -125,6 +133,10 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
             config.shared_books, service.state, service.metrics.registry, service.clock
         )
         supervisor.task("book_bus", book_bus.run)
+    leader = None
+    if config.leader_election is not None:  # active/passive: stand by until the Lease is ours
+        leader = LeaderElector(config.leader_election, service, session=session)
+        supervisor.periodic("leader_election", leader.step, leader.timings.retry_period_s)
     if config.static_members:
         await collectors.scrape_once()  # know the pods' health before the first request
     counter = PromptCounter(
@@ -199,6 +211,7 @@ async def start_sidecar(config: SidecarConfig, *, seed: int = 0) -> RunningSidec
         ext_proc,
         ext_proc_health,
         book_bus,
+        leader,
     )
 
 

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from disaggpool.core.autoscaling import MAX_HEADROOM
 from disaggpool.core.contracts import Role, SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
+from disaggpool.core.lease import LeaseTimings
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
     DECODE_BINDINGS,
@@ -51,6 +52,7 @@ __all__ = [
     "GrpcConfig",
     "GrpcTLS",
     "KubernetesSource",
+    "LeaderElectionConfig",
     "Member",
     "ReplicaBounds",
     "SharedBooksConfig",
@@ -190,6 +192,17 @@ class SharedBooksConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LeaderElectionConfig:
+    """Active/passive replicas: the one holding Lease `namespace/name` routes, the others stand
+    by (`sidecar.leader`, CONFIG.md "Leader election")."""
+
+    namespace: str
+    name: str
+    identity: str = ""  # "": the pod's name ($HOSTNAME, else the host name), "_", 8 hex digits
+    timings: LeaseTimings = dataclasses.field(default_factory=LeaseTimings)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SidecarConfig:
     policy: str
     model: str
@@ -231,6 +244,7 @@ class SidecarConfig:
     autoscaling: AutoscalingConfig | None = None
     drift: DriftConfig | None = None
     shared_books: SharedBooksConfig | None = None
+    leader_election: LeaderElectionConfig | None = None
     options: PolicyOptions = dataclasses.field(default_factory=PolicyOptions)
 
     @property
@@ -289,6 +303,7 @@ _TOP = {
     "autoscaling",
     "drift",
     "shared_books",
+    "leader_election",
 }
 
 
@@ -378,6 +393,8 @@ def parse_config(doc: Any, source: str = "<config>", base: Path | None = None) -
         kwargs["drift"] = _drift(rd, top["drift"])
     if "shared_books" in top:
         kwargs["shared_books"] = _shared_books(rd, top["shared_books"], base, top.get("model"))
+    if "leader_election" in top:
+        kwargs["leader_election"] = _leader_election(rd, top["leader_election"])
     a, d = kwargs.get("autoscaling"), kwargs.get("drift")
     refs = {(c.pool_namespace, c.pool_name) for c in (a, d) if c is not None and c.pool_name}
     if len(refs) > 1:  # one router, one pool
@@ -517,6 +534,37 @@ def _shared_books(rd: FieldReader, raw: Any, base: Path | None, model: Any) -> S
         lease_s=rd.number(s.get("lease_s", 30.0), "shared_books.lease_s", positive=True),
         max_pending=rd.integer(s.get("max_pending", 10_000), "shared_books.max_pending", minimum=1),
         **files,
+    )
+
+
+def _leader_election(rd: FieldReader, raw: Any) -> LeaderElectionConfig:
+    """``leader_election``: the Lease (namespace and name, both required) and its timings,
+    which must leave no moment where two replicas could both lead (`core.lease`)."""
+    le = rd.mapping(raw, "leader_election")
+    timing_keys = ("lease_duration_s", "renew_deadline_s", "retry_period_s")
+    rd.known(le, "leader_election", {"namespace", "name", "identity", *timing_keys})
+    name = rd.string(le.get("name"), "leader_election.name")
+    if len(name) > 253 or not all(c.isalnum() or c in "-." for c in name) or name != name.lower():
+        raise rd.fail("leader_election.name", f"not a Kubernetes object name: {name!r}")
+    default = LeaseTimings()
+    timings = LeaseTimings(
+        *(
+            rd.number(le.get(key, getattr(default, key)), f"leader_election.{key}", positive=True)
+            for key in timing_keys
+        )
+    )
+    problems = timings.problems()
+    if problems:
+        key, why = problems[0]
+        raise rd.fail(f"leader_election.{key}", f"{why}, got {getattr(timings, key)}")
+    identity = ""
+    if "identity" in le:
+        identity = rd.string(le["identity"], "leader_election.identity")
+    return LeaderElectionConfig(
+        namespace=rd.string(le.get("namespace"), "leader_election.namespace"),
+        name=name,
+        identity=identity,
+        timings=timings,
     )
 
 

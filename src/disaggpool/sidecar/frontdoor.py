@@ -9,10 +9,10 @@ legs carry the decision's priority (`RouteDecision.priority`: 1 for a request pr
 its TTFT anyway) on top of the client's, which is forwarded only with `forward_client_priority`.
 
 With `auth.api_keys_file`, ``/v1/*`` needs ``Authorization: Bearer <key>`` (vLLM's `--api-key`
-rule); the probes (`/livez`: the process and its supervised loops; `/readyz` and `/health`: the
-pool usable and not draining) and `/metrics` stay open, as vLLM's do. Too many requests in flight
--> 429 with Retry-After; no healthy pod -> 503 with Retry-After; every request ends in a response
-or an error and is counted.
+rule); the probes (`/livez`: the process and its supervised loops; `/readyz` and `/health`: the pool
+usable, not draining, not standing by) and `/metrics` stay open, as vLLM's do. Too many requests in
+flight -> 429 with Retry-After; no healthy pod -> 503 with Retry-After; every request ends in a
+response or an error and is counted.
 """
 
 from __future__ import annotations
@@ -113,9 +113,12 @@ class FrontDoor:
 
     async def _readyz(self, request: web.Request) -> web.Response:
         ok = self.service.healthy_pods()
-        status = 200 if ok["prefill"] and ok["decode"] and not self.service.draining else 503
+        serving = not self.service.draining and not self.service.standby
+        status = 200 if ok["prefill"] and ok["decode"] and serving else 503
         if self.service.draining:
             why = "draining: shutting down"
+        elif self.service.standby:
+            why = self.service.standby  # another replica leads (sidecar.leader)
         else:
             why = "ok" if status == 200 else "no healthy prefill or decode pod"
         body = {

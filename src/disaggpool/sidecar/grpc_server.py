@@ -234,7 +234,7 @@ def _response(routed: Routed) -> pb.RouteResponse:
 
 
 def health_status(service: RoutingService) -> int:
-    ok = all(service.healthy_pods().values()) and not service.draining
+    ok = all(service.healthy_pods().values()) and not service.draining and not service.standby
     codes = health_pb2.HealthCheckResponse
     return int(codes.SERVING if ok else codes.NOT_SERVING)
 

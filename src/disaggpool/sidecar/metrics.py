@@ -65,7 +65,9 @@ Names follow Prometheus conventions (`disaggpool_` prefix, base units, `_total` 
 * with `shared_books` (registered by `sidecar.book_bus`, absent otherwise):
   `disaggpool_shared_books_connected`, `disaggpool_shared_books_events_total{outcome}`
   (``published``, ``applied``, ``ignored``, ``rejected``, ``dropped``) and
-  `disaggpool_shared_books_malformed_messages_total`.
+  `disaggpool_shared_books_malformed_messages_total`;
+* with `leader_election` (registered by `sidecar.leader`): `disaggpool_leader` (1 while this
+  replica holds the Lease) and `disaggpool_leader_election_errors_total`.
 
 Per-pod gauges are read from the live `PoolState` at scrape time by a collector, so pods that
 leave the pool leave the page too. One registry per sidecar (tests run several in a process).

@@ -120,8 +120,8 @@ class PoolWriter:
             got = source.current()
             if got is not None and got[0] != self._written.get(source.key):
                 changed[source.key] = got
-        if not self.name or not changed:
-            return {}
+        if not self.name or not changed or self.service.standby:
+            return {}  # a standby replica writes nothing: the leader writes the pool's status
         at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         bodies = {key: {**body, "at": at} for key, (_, body) in changed.items()}
         # Every body has the same keys each time and lists replace whole in a merge patch:

@@ -137,6 +137,9 @@ class RoutingService:
     ) -> None:
         self.config = config
         self.draining = False  # SIGTERM received: health says so, answers close (sidecar.app)
+        # Why this replica stands by ("" while it routes): with `leader_election`, another
+        # holds the Lease (sidecar.leader); readiness fails, as while draining.
+        self.standby = ""
         self.state = state or PoolState(prefix_index=config.prefix_index)
         self.policy = policy or make_policy(config.policy, options=config.options)
         self.predictor = predictor or make_predictor(config.predictor)
