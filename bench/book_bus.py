@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchutil import machine_info, write_json
@@ -55,11 +56,12 @@ def free_port() -> int:
 
 
 def start_server(exe: str, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [exe, "-a", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return spawn([exe, "-a", "127.0.0.1", "-p", str(port)], port)
+
+
+def spawn(argv: list[str], port: int) -> subprocess.Popen[bytes]:
+    """Start a server (`argv`) and wait until it accepts connections on 127.0.0.1:`port`."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -67,7 +69,8 @@ def start_server(exe: str, port: int) -> subprocess.Popen[bytes]:
             return proc
         except OSError:
             time.sleep(0.02)
-    raise RuntimeError("nats-server did not start")
+    proc.kill()
+    raise RuntimeError(f"{argv[0]} did not start")
 
 
 def replica(url: str, name: str) -> tuple[RoutingService, BookBus]:
@@ -90,60 +93,60 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else 0.0
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    server = start_server(args.nats_server, port)
-    a, bus_a = replica(url, "a")
-    b, bus_b = replica(url, "b")
-    queued = 0
-    enqueue = bus_a._queue
+def summary(seconds: list[float]) -> dict[str, float]:
+    """n, p50 and p99 of latencies in seconds, as milliseconds."""
+    return {
+        "n": len(seconds),
+        "p50": round(pct(seconds, 0.5) * 1e3, 3),
+        "p99": round(pct(seconds, 0.99) * 1e3, 3),
+    }
 
-    def counting(event: BookEvent) -> None:
-        nonlocal queued
-        queued += 1
-        enqueue(event)
 
-    a.state.listener.send = counting  # type: ignore[union-attr]
-    received = 0
-    latencies: list[tuple[float, float]] = []  # (when booked, seconds to apply)
-    apply = bus_b.shared.apply
+class Queued:
+    """Counts the events replica `svc` queues on its `bus`."""
 
-    def timed(event: BookEvent, now: float) -> Any:
-        nonlocal received
-        received += 1
+    def __init__(self, svc: RoutingService, bus: BookBus) -> None:
+        self.count = 0
+        self._queue = bus._queue
+        svc.state.listener.send = self._send  # type: ignore[union-attr]
+
+    def _send(self, event: BookEvent) -> None:
+        self.count += 1
+        self._queue(event)
+
+
+class Applied:
+    """Counts the events `bus` applies on replica `svc` and times each ``booked`` one: from its
+    `routed_at` (the publisher's booking, on this clock) to its application here."""
+
+    def __init__(self, svc: RoutingService, bus: BookBus) -> None:
+        self.received = 0
+        self.latencies: list[tuple[float, float]] = []  # (when booked, seconds to apply)
+        self._svc, self._apply = svc, bus.shared.apply
+        bus.shared.apply = self._timed  # type: ignore[method-assign]
+
+    def _timed(self, event: BookEvent, now: float) -> Any:
+        self.received += 1
         if event.kind == "booked":
-            latencies.append((event.routed_at, b.clock() - event.routed_at))
-        return apply(event, now)
+            self.latencies.append((event.routed_at, self._svc.clock() - event.routed_at))
+        return self._apply(event, now)
 
-    bus_b.shared.apply = timed  # type: ignore[method-assign]
-    tasks = [asyncio.create_task(bus.run()) for bus in (bus_a, bus_b)]
-    while not (bus_a._nc and bus_b._nc):
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # b's subscription is registered at the server
 
-    per_tick = args.rate * TICK_S
-    ticks = int(args.seconds / TICK_S)
-    restart_tick = ticks // 2
+async def drive(
+    a: RoutingService, rate: float, seconds: float, at_half: Callable[[], None]
+) -> tuple[int, float]:
+    """Book `rate` requests a second on `a` for `seconds` s in 10 ms ticks, each booking then
+    reporting progress on the next four ticks and finishing on the fifth (6 events); call
+    `at_half` at the middle tick. Returns (bookings, elapsed seconds)."""
+    per_tick = rate * TICK_S
+    ticks = int(seconds / TICK_S)
     live: list[list[str]] = [[] for _ in range(5)]  # requests by age in ticks
     booked = 0
-    restart: asyncio.Task[Any] | None = None
-    down_at = up_at = 0.0
     start = time.monotonic()
     carry = 0.0
     for tick in range(ticks):
-        if tick == restart_tick:
-            down_at = a.clock()
-            server.kill()
-            server.wait()
-
-            async def back() -> None:
-                nonlocal server, up_at
-                await asyncio.sleep(args.down_s)
-                server = await asyncio.to_thread(start_server, args.nats_server, port)
-                up_at = a.clock()
-
-            restart = asyncio.create_task(back())
+        if tick == ticks // 2:
+            at_half()
         finishing = live.pop()
         for rid in finishing:
             a.finished(rid, 3, 0.05, 0.01)
@@ -161,7 +164,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         live.insert(0, new)
         delay = start + (tick + 1) * TICK_S - time.monotonic()
         await asyncio.sleep(max(0.0, delay))
-    elapsed = time.monotonic() - start
+    return booked, time.monotonic() - start
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server = start_server(args.nats_server, port)
+    a, bus_a = replica(url, "a")
+    b, bus_b = replica(url, "b")
+    queued = Queued(a, bus_a)
+    applied = Applied(b, bus_b)
+    tasks = [asyncio.create_task(bus.run()) for bus in (bus_a, bus_b)]
+    while not (bus_a._nc and bus_b._nc):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # b's subscription is registered at the server
+
+    restart: asyncio.Task[Any] | None = None
+    down_at = up_at = 0.0
+
+    def kill() -> None:
+        nonlocal down_at, restart
+        down_at = a.clock()
+        server.kill()
+        server.wait()
+
+        async def back() -> None:
+            nonlocal server, up_at
+            await asyncio.sleep(args.down_s)
+            server = await asyncio.to_thread(start_server, args.nats_server, port)
+            up_at = a.clock()
+
+        restart = asyncio.create_task(back())
+
+    booked, elapsed = await drive(a, args.rate, args.seconds, kill)
     if restart is not None:
         await restart
     await asyncio.sleep(1.0)  # the last messages arrive
@@ -176,31 +212,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return int(value)
 
     published, dropped = count(bus_a, "published"), count(bus_a, "dropped")
-    before = [lat for at, lat in latencies if at < down_at]
-    whole = [lat for _, lat in latencies]
+    before = [lat for at, lat in applied.latencies if at < down_at]
+    whole = [lat for _, lat in applied.latencies]
     return {
         "rate_bookings_per_s": args.rate,
         "seconds": round(elapsed, 2),
         "bookings": booked,
         "events_per_booking": 6,
-        "events_queued": queued,
+        "events_queued": queued.count,
         "events_published": published,
         "events_dropped_at_publisher": dropped,
-        "events_received": received,
-        "events_lost_in_flight": published - received,
+        "events_received": applied.received,
+        "events_lost_in_flight": published - applied.received,
         "events_applied": count(bus_b, "applied"),
         "events_ignored": count(bus_b, "ignored"),
         "server_down_s": round(up_at - down_at, 2),
-        "booked_latency_ms_before_restart": {
-            "n": len(before),
-            "p50": round(pct(before, 0.5) * 1e3, 3),
-            "p99": round(pct(before, 0.99) * 1e3, 3),
-        },
-        "booked_latency_ms_whole_run": {
-            "n": len(whole),
-            "p50": round(pct(whole, 0.5) * 1e3, 3),
-            "p99": round(pct(whole, 0.99) * 1e3, 3),
-        },
+        "booked_latency_ms_before_restart": summary(before),
+        "booked_latency_ms_whole_run": summary(whole),
     }
 
 
