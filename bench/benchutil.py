@@ -92,17 +92,26 @@ class Contention:
 
     Machine-wide busy time from /proc/stat minus this process's and its children's CPU time,
     divided by the wall time. It sees only this (virtual) machine: a busy host is invisible.
+    Children still running are counted as this benchmark's only when their `pids` are given
+    (their /proc/PID/stat times; `os.times` counts a child once it is waited for).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self._pids = list(pids)
         self._busy = _proc_stat_busy_s()
         self._own = self._own_cpu()
         self._wall = time.perf_counter()
 
-    @staticmethod
-    def _own_cpu() -> float:
+    def _own_cpu(self) -> float:
         t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
+        own = t.user + t.system + t.children_user + t.children_system
+        for pid in self._pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                own += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass  # gone (reaped: then in children_*) or no /proc
+        return own
 
     def other_cores(self) -> float:
         busy = _proc_stat_busy_s()
