@@ -105,13 +105,7 @@ class Contention:
     def _own_cpu(self) -> float:
         t = os.times()
         own = t.user + t.system + t.children_user + t.children_system
-        for pid in self._pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                own += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except (OSError, IndexError, ValueError):
-                pass  # gone (reaped: then in children_*) or no /proc
-        return own
+        return own + sum(process_cpu_s(pid) for pid in self._pids)
 
     def other_cores(self) -> float:
         busy = _proc_stat_busy_s()
@@ -120,6 +114,16 @@ class Contention:
             return math.nan
         other = (busy - self._busy) - (self._own_cpu() - self._own)
         return round(max(0.0, other) / wall, 2)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used, from /proc/PID/stat; 0 when it is
+    gone (a reaped child is then in `os.times`' children_*) or there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def machine_table(info: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ configuration of a seed, one configuration after the other, the pods idle in bet
 nats-server and fresh sidecars for each. `--seeds K` repeats it on K trace slices (seed 0..K-1).
 
 Per row: goodput with its 95% bootstrap interval over requests, TTFT and TPOT p50/p90, errors
-(by status, or the client's message where there was no response), the CPU that processes not of
+(by status, or the client's message where there was no response), the CPU seconds the N sidecar
+processes used per output token delivered (what the bus costs them), the CPU that processes not of
 this bench used during that replay (cores: the machine's busy time from /proc/stat less this
 process's and its children's), and for shared books the paired 95% interval of shared minus own
 books at the same N (request by request on the same trace). At N = 1 there is nobody to share
@@ -74,9 +75,10 @@ def run_config(
     model: str,
     load: float,
     pods: list[subprocess.Popen[bytes]],
-) -> tuple[LoadReport, float]:
+) -> tuple[LoadReport, float, float]:
     """N sidecars (a nats-server with them when `shared`), the trace spread over them: the
-    replay's report, and the cores other processes used meanwhile (`benchutil.Contention`)."""
+    replay's report, the cores other processes used meanwhile (`benchutil.Contention`), and the
+    CPU seconds the sidecars used."""
     with processes() as procs:
         extra: dict[str, Any] = {}
         if shared:
@@ -93,11 +95,14 @@ def run_config(
         desc = f"{n} replica{'s' if n > 1 else ''}, {'shared' if shared else 'own books'}"
         bar = progress.bar(total=len(trace), desc=desc, unit="req")
         contention = benchutil.Contention([p.pid for p in procs + pods])
+        sidecars = [p.pid for p in procs[len(procs) - n :]]
+        cpu = sum(benchutil.process_cpu_s(pid) for pid in sidecars)
         report = asyncio.run(
             replay(urls, trace, [slo], rate_scale=load, on_done=lambda _: bar.update(1))
         )
+        cpu = sum(benchutil.process_cpu_s(pid) for pid in sidecars) - cpu
         bar.close()
-        return report, contention.other_cores()
+        return report, contention.other_cores(), cpu
 
 
 def _row(seed: Any, n: int, shared: bool, met: list[bool], results: list[Any]) -> dict[str, Any]:
@@ -152,7 +157,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"seed {seed}: {len(trace)} requests at {rate:.2f} req/s", flush=True)
             met_seed: dict[tuple[int, bool], list[bool]] = {}
             for n, shared in configs:
-                report, other = run_config(
+                report, other, cpu = run_config(
                     n, shared, tmp, pool, trace, slo, model, args.load, procs
                 )
                 wait_idle(list(urls.values()))
@@ -162,6 +167,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 results_by[(n, shared)] += report.results
                 rows.append(_row(seed, n, shared, met, report.results))
                 rows[-1]["other_cpu_cores"] = other
+                tokens = sum(r.output_tokens for r in report.results if r.ok)
+                rows[-1]["sidecar_cpu_ms_per_token"] = round(1000 * cpu / max(1, tokens), 4)
                 if shared:
                     rows[-1]["shared_minus_own_ci"] = [
                         round(x, 4)
@@ -191,7 +198,7 @@ def render(doc: dict[str, Any]) -> str:
     res = doc["replicas"]
     cols = ["seed", "replicas", "books", "requests", "goodput", "95% interval",
             "shared minus own (paired 95%)", "TTFT p50/p90 s", "TPOT p50/p90 ms",
-            "errors", "other CPU cores"]  # fmt: skip
+            "errors", "sidecars' CPU ms per token", "other CPU cores"]  # fmt: skip
 
     def shown(r: dict[str, Any]) -> dict[str, Any]:
         diff = r.get("shared_minus_own_ci")
@@ -202,6 +209,7 @@ def render(doc: dict[str, Any]) -> str:
             "TTFT p50/p90 s": f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f}",
             "TPOT p50/p90 ms": f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p90_s'] * 1000:.1f}",
             "other CPU cores": r.get("other_cpu_cores", ""),
+            "sidecars' CPU ms per token": r.get("sidecar_cpu_ms_per_token", ""),
         }
 
     traces = "; ".join(
