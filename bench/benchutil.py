@@ -92,17 +92,20 @@ class Contention:
 
     Machine-wide busy time from /proc/stat minus this process's and its children's CPU time,
     divided by the wall time. It sees only this (virtual) machine: a busy host is invisible.
+    Children still running are counted as this benchmark's only when their `pids` are given
+    (their /proc/PID/stat times; `os.times` counts a child once it is waited for).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self._pids = list(pids)
         self._busy = _proc_stat_busy_s()
         self._own = self._own_cpu()
         self._wall = time.perf_counter()
 
-    @staticmethod
-    def _own_cpu() -> float:
+    def _own_cpu(self) -> float:
         t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
+        own = t.user + t.system + t.children_user + t.children_system
+        return own + sum(process_cpu_s(pid) for pid in self._pids)
 
     def other_cores(self) -> float:
         busy = _proc_stat_busy_s()
@@ -111,6 +114,16 @@ class Contention:
             return math.nan
         other = (busy - self._busy) - (self._own_cpu() - self._own)
         return round(max(0.0, other) / wall, 2)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used, from /proc/PID/stat; 0 when it is
+    gone (a reaped child is then in `os.times`' children_*) or there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def machine_table(info: dict[str, Any]) -> str:

@@ -157,3 +157,26 @@ def test_cli_writes_every_request_with_its_verdict_and_pods(
     assert set(stub.classes) == {"interactive"}  # --slo given: the class goes with each request
     assert "goodput" in capsys.readouterr().out
     assert main(["loadgen", "--target", stub.url, "--trace", str(trace), "--slo", "bad"]) == 2
+
+
+def test_several_targets_take_every_nth_request(tmp_path: Path) -> None:
+    """`--target` twice: request i goes to the (i mod 2)-th, each row names its target, and the
+    report still counts every request once."""
+    a = LoopThread(Stub().start, name="stub-a").start()
+    b = LoopThread(Stub().start, name="stub-b").start()
+    try:
+        trace = tmp_path / "t.csv"
+        write_trace(trace, TRACE[:7])
+        out = tmp_path / "out.json"
+        urls = [a.service.url, b.service.url]
+        code = main(["loadgen", "--target", urls[0], "--target", urls[1] + "/",
+                     "--trace", str(trace), "--rate-scale", "4", "--json", str(out)])  # fmt: skip
+        assert code == 0
+        data = json.loads(out.read_text())
+        assert [row["index"] for row in data["requests"]] == list(range(7))
+        assert [row["target"] for row in data["requests"]] == [urls[i % 2] for i in range(7)]
+        assert (a.service.count, b.service.count) == (4, 3)
+        assert data["summary"]["completed"] == 7
+    finally:
+        a.stop()
+        b.stop()

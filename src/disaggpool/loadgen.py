@@ -13,6 +13,11 @@ when the server names them in the ``X-Disaggpool-Prefill-Pod`` / ``X-Disaggpool-
 response headers (empty otherwise, e.g. a plain vLLM), so a user can bootstrap an interval or
 split the results by pod without scoring the SLO again.
 
+Several targets (`--target` given more than once, e.g. router replicas behind no load balancer):
+request i goes to target i mod N, a fixed round-robin over the trace order, so a replay is
+repeatable and each replica sees every N-th request; each row names its `target`. The model name
+is asked of the first target.
+
 Traces with prefix blocks (`TraceRequest.blocks`, e.g. the Mooncake trace): every block id becomes
 one fixed run of `block_tokens` token ids, drawn from a generator seeded by the id alone, and a
 prompt is its blocks' runs cut to `prompt_tokens`. Requests sharing leading ids therefore send
@@ -59,6 +64,7 @@ class RequestResult:
     error: str = ""
     prefill_pod: str = ""  # from PREFILL_POD_HEADER; "" when the server does not say
     decode_pod: str = ""  # from DECODE_POD_HEADER; "" when the server does not say
+    target: str = ""  # the base URL it was sent to
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,7 +203,7 @@ async def _one(
 
 
 async def replay(
-    target: str,
+    target: str | Sequence[str],
     trace: Sequence[TraceRequest],
     slo_classes: Sequence[SLOClass],
     *,
@@ -209,13 +215,16 @@ async def replay(
     send_default_class: bool = True,
 ) -> LoadReport:
     """Send every request of `trace` at its (scaled) arrival time; wait for all of them.
-    Without `send_default_class`, requests of the default class go without ``X-SLO-Class``
-    (the server picks its own default; they are still scored against `slo_classes[0]`)."""
+    With several targets, request i goes to ``target[i % len(target)]`` (module docstring).
+        Without `send_default_class`, requests of the default class go without ``X-SLO-Class``
+        (the server picks its own default; they are still scored against `slo_classes[0]`)."""
     if rate_scale <= 0:
         raise InputError("--rate-scale", "<arg>", "must be positive")
     classes = {c.name: c for c in slo_classes}
     default = slo_classes[0].name
-    url = target.rstrip("/")
+    urls = [t.rstrip("/") for t in ([target] if isinstance(target, str) else target)]
+    if not urls:
+        raise InputError("--target", "<arg>", "at least one base URL")
     rng = random.Random(seed)
     runs: dict[int, list[int]] = {}
     prompts = [
@@ -226,7 +235,7 @@ async def replay(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if not model:
-            model = await _served_model(session, url)
+            model = await _served_model(session, urls[0])
         t0 = time.monotonic()
 
         async def fire(i: int, req: TraceRequest) -> RequestResult:
@@ -237,7 +246,9 @@ async def replay(
             if name not in classes:
                 raise InputError("trace", f"request {i}.slo_class", f"unknown class {name!r}")
             sent = name if send_default_class or name != default else ""
+            url = urls[i % len(urls)]
             result = await _one(session, url, model, i, req, name, sent, prompts[i])
+            result = dataclasses.replace(result, target=url)
             if on_done is not None:
                 on_done(result)
             return result
@@ -307,7 +318,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("loadgen", help="replay a trace against an OpenAI-compatible endpoint")
-    p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--target", required=True, action="append", metavar="URL",
+        help="base URL, e.g. http://127.0.0.1:8000; repeat it to spread the requests over "
+        "several (request i goes to the (i mod N)-th, e.g. router replicas)",
+    )  # fmt: skip
     p.add_argument("--trace", required=True, metavar="FILE", help="CSV or Azure 2023 trace")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     p.add_argument(
@@ -323,6 +338,7 @@ def register(sub: Any) -> None:
         "--json",
         metavar="FILE",
         help="write the summary and every request (its times, `met`: whether it met its SLO, "
-        "and the prefill/decode pods that served it where the server names them)",
+        "the target it went to, and the prefill/decode pods that served it where the server "
+        "names them)",
     )
     p.set_defaults(func=_run)

