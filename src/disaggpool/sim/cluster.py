@@ -333,16 +333,30 @@ class Simulation:
         self._reschedule(p_idx)
 
     def _observe(self, replica: RouterReplica, now: float) -> None:
-        """What `replica` has heard before it decides at `now`. With shared books, every other
-        replica first reports the tokens its own requests streamed by now (and so publishes
-        them): a front door counts them as they pass, whichever replica decides next."""
-        if self._bus is None:
+        """What `replica` has heard before it decides at `now`. With shared books, the replicas
+        first report the tokens their own requests streamed by one bus delay before `now`, and
+        publish them then, so that they are due now: a front door counts and publishes each
+        token as it passes, so a replica deciding at `now` has heard of every token streamed a
+        bus delay before. (Reported only at decisions, tokens reached the others a decision
+        later: with a 5 ms bus, two thirds of the others' streams were behind what a real bus
+        would have delivered, `tests/sim/test_shared_books_sim.py`.) The deciding replica then
+        counts its own up to `now`."""
+        bus = self._bus
+        if bus is None:
             replica.observe(now)
             return
         streams = replica.streams(now)
-        for other in self.routers:
-            if other is not replica:
-                other.router.streamed(streams, now)
+        if bus.delay_s > 0.0:
+            bus.flush(now)  # what was published before this decision leaves at its time
+            at = now - bus.delay_s
+            heard = replica.streams(at)
+            for r in self.routers:
+                r.router.streamed(heard, at)
+            bus.flush(at)
+        else:
+            for other in self.routers:
+                if other is not replica:
+                    other.router.streamed(streams, now)
         replica.observe(now, streams)
 
     def _bind_decode(self, req: EngineRequest, now: float) -> int:

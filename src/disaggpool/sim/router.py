@@ -113,12 +113,18 @@ class RouterReplica:
 
     def streams(self, now: float) -> list[tuple[str, int, float | None]]:
         """Every running sequence's (request id, output tokens so far, first token seen at):
-        what the front doors streaming them have counted by `now`."""
-        return [
-            (req.key, produced, req.first_token)
-            for d in self.decode
-            for req, produced in d.produced_by(now)
-        ]
+        what the front doors streaming them have counted by `now`. A `now` before an engine's
+        step in progress began (a bus delay back, `sim.cluster`) counts the tokens of that
+        step's start, a token early at most (for a bus delay shorter than a step), and leaves
+        out the sequences whose first token came after `now`."""
+        out: list[tuple[str, int, float | None]] = []
+        for d in self.decode:
+            past = now < d.t_step
+            for req, produced in d.produced_by(now):
+                if past and not 0.0 <= req.first_token <= now:
+                    continue
+                out.append((req.key, produced, req.first_token))
+        return out
 
     def _scrape(self, now: float) -> None:
         """What the sidecar's collector reads of every engine's `/metrics`."""
