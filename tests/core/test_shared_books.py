@@ -276,3 +276,13 @@ def test_a_malformed_event_names_its_field(change: dict[str, object], field: str
 def test_a_missing_field_is_named() -> None:
     with pytest.raises(BookEventError, match="field 'owner': missing"):
         BookEvent.from_dict({"kind": "finished", "request_id": "r"})
+
+
+def test_events_travel_without_their_defaults() -> None:
+    progress = BookEvent("progress", "r", "a", generated=3, first_token_at=1.5)
+    assert progress.to_dict() == {
+        "kind": "progress", "request_id": "r", "owner": "a", "generated": 3, "first_token_at": 1.5,
+    }  # fmt: skip
+    booked = BookEvent("booked", "r", "a", decode="d0", prompt_tokens=9, slo="chat", tpot_s=0.1)
+    for event in (progress, booked, BookEvent("finished", "r", "a")):
+        assert BookEvent.from_dict(json.loads(json.dumps(event.to_dict()))) == event

@@ -124,7 +124,7 @@ class BookBus:
         data = event.to_dict()
         offset = self.wall() - self.clock()
         for key in ("routed_at", "first_token_at"):
-            if data[key] > 0.0:
+            if data.get(key, 0.0) > 0.0:
                 data[key] += offset
         self._pending.append(data)
         self._wake.set()
