@@ -115,10 +115,12 @@ class Replica:
 
     async def kill(self) -> None:
         """Stop trying without releasing: what a killed pod leaves behind."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()  # again if a cancellation was lost on the way
+            await asyncio.wait([task], timeout=1.0)
+        if task is not None and not task.cancelled():
+            task.exception()  # retrieved: a loop that ended on an error is not reported again
 
     async def close(self) -> None:
         await self.kill()

@@ -110,7 +110,10 @@ class LeaderElector:
         if self.leading:
             left = self._last_renewed + self.timings.renew_deadline_s - now
         try:
-            await asyncio.wait_for(self._try(), timeout=max(0.001, left))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # meets the inner call's end, and the supervisor's stop then waits for ever.
+            async with asyncio.timeout(max(0.001, left)):
+                await self._try()
         except _ERRORS as exc:
             self._failed(exc)
             if self.leading and renewal_overdue(self._last_renewed, self.timings, self.clock()):
@@ -195,9 +198,8 @@ class LeaderElector:
             released(self._record, self.wall()), self.config.namespace, self.config.name
         )
         try:
-            await asyncio.wait_for(
-                self._kube.replace(self._path, body), self.timings.retry_period_s
-            )
+            async with asyncio.timeout(self.timings.retry_period_s):
+                await self._kube.replace(self._path, body)
         except _ERRORS as exc:
             log.warning("lease %s: not released (%s); it runs out on its own", self.lease, exc)
             return
