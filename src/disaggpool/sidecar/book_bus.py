@@ -233,7 +233,8 @@ class BookBus:
             self._wake.set()
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=period)
+                    async with asyncio.timeout(period):  # not wait_for (sidecar.leader)
+                        await self._wake.wait()
                 self._wake.clear()
                 now = self.clock()
                 if now - beat >= period:
