@@ -175,16 +175,43 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def _bridge_up() -> None:
-    if _sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-        raise RuntimeError(f"{BRIDGE} exists: another test node is up (scripts/cluster.sh down)")
+def _bridge_up(d: Path) -> None:
+    _clear_a_dead_node()
     _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    # The bridge names its owner (the process starting the node, and the workdir), so a later
+    # run can tell a node that is up from one a killed run left behind.
+    _sh("ip", "link", "set", BRIDGE, "alias", f"{os.getpid()} {d}")
     _sh("ip", "addr", "add", f"{NODE_IP}/24", "dev", BRIDGE)
     _sh("ip", "link", "set", BRIDGE, "up")
     _sh("ip", "route", "add", CONFINED, "dev", BRIDGE)
     problems = route_problems(ip_routes(), pod=False)
     if problems:
         raise RuntimeError("refusing to start the node: " + "; ".join(problems))
+
+
+def _clear_a_dead_node() -> None:
+    """Stop what a killed run left behind (its bridge, routes, mounts, iptables chains), or
+    refuse to start beside a node that is still up."""
+    shown = _sh("ip", "-j", "link", "show", BRIDGE, check=False)
+    if shown.returncode != 0:
+        return
+    workdir = left_by_a_killed_run(json.loads(shown.stdout)[0].get("ifalias", ""))
+    print(f"stopping the test node a killed run left in {workdir}", file=sys.stderr)
+    down(workdir)
+
+
+def left_by_a_killed_run(owner: str) -> Path:
+    """The workdir of the node whose bridge names `owner` ("PID WORKDIR"), when neither the
+    process that started it nor any it spawned is alive; otherwise the node may be up: refuse."""
+    owner_pid, _, workdir = owner.partition(" ")
+    if not owner_pid.isdigit() or not workdir:
+        raise RuntimeError(f"{BRIDGE} exists: another test node is up (scripts/cluster.sh down)")
+    pids = [int(owner_pid), *(pid for pid, _ in _recorded(Path(workdir)))]
+    if any(_alive(pid) for pid in pids):
+        raise RuntimeError(
+            f"{BRIDGE} exists: the test node in {workdir} is up (scripts/cluster.sh down {workdir})"
+        )
+    return Path(workdir)
 
 
 def _configs(d: Path, ports: dict[str, int]) -> None:
@@ -297,7 +324,7 @@ def up(workdir: Path) -> NodeCluster:
     d = workdir.resolve()
     d.mkdir(parents=True, exist_ok=True)
     (d / "netns-before").write_text("\n".join(sorted(_netns())))
-    _bridge_up()
+    _bridge_up(d)
     node = NodeCluster.at(d)
     try:
         ports = {k: free_port() for k in ("etcd", "peer", "kubelet", "kubelet_healthz")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -21,6 +22,7 @@ from node_cluster import (
     TOKEN,
     NodeCluster,
     ip_routes,
+    left_by_a_killed_run,
     route_problems,
 )
 
@@ -79,6 +81,21 @@ def test_route_rules_name_what_would_leave_the_machine() -> None:
         f"pod route to default leaves {CONFINED}"
     ]
     assert route_problems(pod[:1], pod=True) == [f"pod has no route for {CONFINED}"]
+
+
+def test_a_node_a_killed_run_left_is_cleared_and_a_live_one_refused(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "pids").write_text(f"{dead.pid} etcd\n")
+    assert left_by_a_killed_run(f"{dead.pid} {tmp_path}") == tmp_path
+    (tmp_path / "pids").write_text(f"{dead.pid} etcd\n{os.getpid()} kubelet\n")
+    with pytest.raises(RuntimeError, match=f"the test node in {tmp_path} is up"):
+        left_by_a_killed_run(f"{dead.pid} {tmp_path}")
+    (tmp_path / "pids").unlink()
+    with pytest.raises(RuntimeError, match="is up"):  # its starter is still spawning
+        left_by_a_killed_run(f"{os.getpid()} {tmp_path}")
+    with pytest.raises(RuntimeError, match="another test node is up"):  # no owner named
+        left_by_a_killed_run("")
 
 
 def test_the_host_routes_the_whole_range_to_the_bridge(node: NodeCluster) -> None:
