@@ -17,7 +17,12 @@ from disaggpool.core.autoscaling_baselines import (
     LlmdTokenPrefill,
     make_prefill_autoscaler,
 )
-from disaggpool.core.prefill_scaling import PrefillScaler, erlang_c, prefill_service
+from disaggpool.core.prefill_scaling import (
+    PARKED_KV_SHARE,
+    PrefillScaler,
+    erlang_c,
+    prefill_service,
+)
 
 BOUNDS = Bounds(1, 16, startup_s=0.0, stabilization_s=60.0)
 
@@ -32,10 +37,9 @@ def test_erlang_c_on_known_values() -> None:
 
 def test_service_times_from_the_calibrated_constants() -> None:
     # S(n) = 0.01 + 1e-4 n: 1,000 and 3,000 tokens -> 0.11 and 0.31 s.
-    mean, scv, q = prefill_service(PROFILE, [1000, 3000], 0.9)
+    mean, scv = prefill_service(PROFILE, [1000, 3000])
     assert mean == pytest.approx(0.21)
     assert scv == pytest.approx((0.11**2 + 0.31**2) / 2 / 0.21**2 - 1)
-    assert q == pytest.approx(0.31)
 
 
 def scaler(**kw: object) -> PrefillScaler:
@@ -69,6 +73,54 @@ def test_bursts_a_queue_and_the_floor_add_pods() -> None:
     # 100 prompts queued need 100 x 0.11 / 0.5 = 22 pods' worth to go within one target.
     assert scaler().wish(d, waiting=100)[0] >= base + 22
     assert scaler(min_headroom=1.0).wish(d)[0] >= math.ceil(2 * 40 * 0.11)
+
+
+def test_each_prompt_is_sized_for_its_own_slack() -> None:
+    # 90% short prompts (0.02 s, slack 0.48 s) and 10% long (0.41 s, slack 0.09 s) at 30 req/s:
+    # sizing every prompt for the long ones' slack asks for more pods than the mix needs.
+    prompts = (100,) * 45 + (4000,) * 5
+    d = demand(prompts=prompts, arrival_rps=30.0)
+    mean, scv = prefill_service(PROFILE, prompts)
+    a, v = 30.0 * mean, 1.0 + scv
+
+    def first(slacks: list[float]) -> int:
+        return next(
+            c
+            for c in range(1, 50)
+            if c > a
+            and sum(erlang_c(c, a) * math.exp(-2 * (c - a) * t / (v * mean)) for t in slacks)
+            / len(slacks)
+            <= 0.1
+        )
+
+    slack = {
+        n: 0.5 - PROFILE.prefill.prompt_time(n) - PROFILE.kv_transfer.time(n) for n in (100, 4000)
+    }
+    own = first([slack[n] for n in prompts])
+    tail = first([slack[4000]] * len(prompts))
+    assert scaler().wish(d)[0] == own < tail
+
+
+def test_prompts_that_miss_on_any_pool_do_not_ask_for_every_pod() -> None:
+    # 6,000 tokens take 0.61 s, over the 0.5 s target: no pool helps them; the others are sized.
+    d = demand(prompts=(6000,) * 10 + (1000,) * 40, arrival_rps=10.0)
+    assert scaler().wish(d)[0] < 10
+
+
+def test_a_backlog_within_the_headroom_adds_no_pod() -> None:
+    d = demand(prompts=(1000,) * 50, arrival_rps=40.0)
+    assert scaler().wish(d, waiting=1)[0] == scaler().wish(d)[0]
+
+
+def test_kv_parked_for_decode_holds_prefill_pods() -> None:
+    d = demand(prompts=(1000,) * 50, arrival_rps=1.0)
+    assert scaler().wish(d)[0] == 1
+    # 1.5 pods' worth of KV in use, at most a quarter of the pool's cache: 6 pods.
+    assert scaler().wish(d, kv_usage=1.5)[0] == math.ceil(1.5 / PARKED_KV_SHARE) == 6
+    held = scaler().decide(d, PoolState(4, 0, kv_usage=1.0))
+    assert held.replicas == 4  # not scaled down while decode has not taken its KV
+    # No prompts routed in the window, KV still parked: not "no traffic".
+    assert scaler().wish(demand(arrival_rps=0.0, prompts=()), kv_usage=0.5)[0] == 2
 
 
 def test_no_traffic_and_bad_arguments() -> None:

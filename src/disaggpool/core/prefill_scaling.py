@@ -13,15 +13,31 @@ a = lambda E[S] busy instances. The router spreads prompts over the pool as one 
 servers, so the pool is an M/G/c queue; by the Allen-Cunneen approximation a prompt waits longer
 than t with probability
 
-    P(W > t) ~= C(c, a) exp(-2 (c - a) t / ((1 + cs^2) E[S])),
+    P(W > t) ~= C(c, a) exp(-2 (c - a) t / ((ca^2 + cs^2) E[S])),
 
-C the Erlang C probability that it waits at all. The TTFT target leaves a prompt at the target
-quantile of S the slack t = TTFT - S_q - its KV transfer; the pool needs the smallest c with
-P(W > t) <= 1 - target. The spread of the prompts (cs^2) widens the headroom, as the spread of
-contexts does for decode; burstiness (the index of dispersion D of arrival counts) scales the
-offered load's variance, so it is taken as a = D-inflated: the headroom over a is multiplied by
-sqrt(D). Prompts already queued at the prefill pods are work the steady picture misses: they need
-`waiting * E[S] / TTFT` instances on top, to be served within one target.
+C the Erlang C probability that it waits at all, ca^2 and cs^2 the squared coefficients of
+variation of the arrivals and of the service times (1 + 1 is the M/M/c case). The arrivals' is
+their burstiness, the index of dispersion D of the arrival counts (1 for Poisson): bursts make
+queues longer in proportion. Each prompt has its own slack: the TTFT target less its own prefill
+and KV transfer, t_i = TTFT - S(n_i) - X(n_i). A short prompt may wait much longer than a long
+one, so the pool is sized for the share of prompts that would miss, the mean over the routed
+prompts of P(W > t_i), at most 1 - target. Prompts with no slack at all miss on any pool and are
+left out of that mean: no number of pods helps them, and counting them would ask for every pod
+the bounds allow. (Sizing for the tail prompt's slack alone, as this did at first, held a whole
+pod more than the prompts needed for most of a diurnal day.)
+
+Prompts already queued at the prefill pods are work the steady picture misses: they need
+`waiting * E[S] / TTFT` instances to be served within one target. The headroom over the offered
+load serves them first; only a backlog beyond it adds pods (a single queued prompt used to round
+a whole pod up, and the stabiliser then held it for its window).
+
+**KV parked for decode.** A prefill pod keeps each prompt's KV until the decode pod pulls it, and
+when decode is short (a mix shift, a decode cold start) that KV stays parked: a prefill pool
+sized for its prompts alone fills its KV cache and stalls every prompt behind it. So the pool
+keeps at least the pods that hold its KV in use at `PARKED_KV_SHARE` of their cache
+(`PoolState.kv_usage`, the sum of the pods' `vllm:kv_cache_usage_perc`). The share is measured
+on a mix shift, where decode is short, against a diurnal day, where every pod held is paid for
+(`bench/parked_kv_share.py`; docs/results/autoscaling.md, "Prefill").
 
 **Sized with decode, not beside it.** The P/D decider sends a prompt to its decode pod when the
 prefill pool is busier than the stall it causes there (`core.policies.calibrated`), so decode
@@ -53,6 +69,8 @@ __all__ = ["PrefillScaler", "erlang_c", "prefill_service"]
 
 #: The most instances above the offered load the search tries (a target no pool meets).
 MAX_EXTRA = 256
+#: The share of the prefill pool's KV cache that KV parked for decode may fill (module docstring).
+PARKED_KV_SHARE = 0.25
 
 
 def erlang_c(c: int, a: float) -> float:
@@ -68,16 +86,13 @@ def erlang_c(c: int, a: float) -> float:
     return b / (1.0 - rho + rho * b)
 
 
-def prefill_service(
-    profile: CalibrationProfile, prompts: Sequence[int], quantile: float
-) -> tuple[float, float, float]:
-    """(E[S], cs^2, S at `quantile`) of the prompts' service times on `profile`."""
-    times = sorted(profile.prefill.prompt_time(max(1, n)) for n in prompts)
+def prefill_service(profile: CalibrationProfile, prompts: Sequence[int]) -> tuple[float, float]:
+    """(E[S], cs^2) of the prompts' service times on `profile`."""
+    times = [profile.prefill.prompt_time(max(1, n)) for n in prompts]
     mean = fmean(times)
     second = fmean(t * t for t in times)
     scv = max(0.0, second / (mean * mean) - 1.0) if mean > 0 else 0.0
-    q = times[min(len(times) - 1, int(quantile * len(times)))]
-    return mean, scv, q
+    return mean, scv
 
 
 class PrefillScaler:
@@ -110,45 +125,54 @@ class PrefillScaler:
         ranked = sorted(self.profiles, key=lambda p: p.prefill.prompt_time(n))
         return ranked[len(ranked) // 2]
 
-    def wish(self, demand: Demand, waiting: int = 0) -> tuple[int, str]:
+    def wish(self, demand: Demand, waiting: int = 0, kv_usage: float = 0.0) -> tuple[int, str]:
         """Instances the routed prompts need (unclamped) and why; `waiting`: prompts queued at
-        the prefill pods."""
-        if (demand.arrival_rps <= 0 or not demand.prompts) and waiting == 0:
+        the prefill pods; `kv_usage`: the pods' KV cache in use, summed (in pods' worth)."""
+        if (demand.arrival_rps <= 0 or not demand.prompts) and waiting == 0 and kv_usage <= 0:
             return 0, "no traffic in the window"
         prompts = demand.prompts or (round(demand.mean_prompt),)
         profile = self._profile(prompts)
-        mean_s, scv, s_q = prefill_service(profile, prompts, self.target)
-        transfer = profile.kv_transfer.time(round(median(prompts)))
+        mean_s, scv = prefill_service(profile, prompts)
+        slacks = [
+            self.ttft_s - profile.prefill.prompt_time(max(1, n)) - profile.kv_transfer.time(n)
+            for n in prompts
+        ]
         ahead = self.bounds.startup_s + demand.window_s / 2.0
         rate = demand.arrival_rps + max(0.0, demand.rate_slope) * ahead
         load = rate * mean_s
-        # A slack the tail cannot have (prompts longer than the target) still sizes the pool.
-        slack = max(mean_s, self.ttft_s - s_q - transfer)
-        c = _servers(load, scv, mean_s, slack, 1.0 - self.target)
-        # Burstiness widens the headroom over the offered load as it widens decode's.
-        pods = load + (c - load) * math.sqrt(max(1.0, demand.dispersion))
-        pods = max(pods, (1.0 + self.min_headroom) * load) + waiting * mean_s / self.ttft_s
+        burst = max(1.0, demand.dispersion)
+        c = _servers(load, burst + scv, mean_s, slacks, 1.0 - self.target)
+        backlog = waiting * mean_s / self.ttft_s
+        parked = kv_usage / PARKED_KV_SHARE
+        pods = max(c, (1.0 + self.min_headroom) * load, load + backlog, parked)
         n = math.ceil(pods - 1e-9)
         return n, (
             f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s), prefill "
-            f"{1000 * mean_s:.0f} ms cs2 {scv:.2f} (q {1000 * s_q:.0f} ms), dispersion "
-            f"{demand.dispersion:.2f}, {waiting} waiting: {load:.2f} busy -> {n}"
+            f"{1000 * mean_s:.0f} ms cs2 {scv:.2f}, dispersion {demand.dispersion:.2f}, "
+            f"{waiting} waiting, KV {kv_usage:.2f} pods' worth: {load:.2f} busy -> {n}"
         )
 
     def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision:
-        wish, why = self.wish(demand, pool.waiting)
+        wish, why = self.wish(demand, pool.waiting, pool.kv_usage)
         if wish < pool.current and not demand.bursts_known:
             return ScaleDecision(pool.current, why + "; burstiness not known yet: no scale-down")
         return ScaleDecision(self.stabilizer.apply(demand.now, wish, pool.current), why)
 
 
-def _servers(load: float, scv: float, mean_s: float, slack_s: float, miss: float) -> int:
-    """The fewest servers for which P(wait > slack_s) <= miss (Allen-Cunneen), at least one."""
+def _servers(
+    load: float, variability: float, mean_s: float, slacks: Sequence[float], miss: float
+) -> int:
+    """The fewest servers for which the mean over `slacks` of P(wait > slack) is at most `miss`
+    (Allen-Cunneen, `variability` = ca^2 + cs^2), at least one; prompts without slack left out."""
     if load <= 0:
         return 0
     start = max(1, math.floor(load) + 1)
+    helped = [t for t in slacks if t > 0]
+    if not helped:
+        return start
     for c in range(start, start + MAX_EXTRA):
-        tail = erlang_c(c, load) * math.exp(-2.0 * (c - load) * slack_s / ((1 + scv) * mean_s))
-        if tail <= miss:
+        decay = 2.0 * (c - load) / (variability * mean_s)
+        waits = erlang_c(c, load)
+        if fmean(waits * math.exp(-decay * t) for t in helped) <= miss:
             return c
     return start + MAX_EXTRA
