@@ -111,3 +111,18 @@ def test_a_prefill_recommender_needs_prefill_bounds() -> None:
     assert svc.config.autoscaling is not None and svc.config.autoscaling.prefill is None
     with pytest.raises(ValueError, match=r"autoscaling\.prefill"):
         PrefillRecommender(svc.config.autoscaling, svc)
+
+
+def test_kv_the_prefill_pods_park_for_decode_holds_prefill_pods() -> None:
+    def wish(kv_usage: float) -> int:
+        svc, clock = service(prefill={"min_replicas": 1, "max_replicas": 64})
+        route(svc, clock, 1.0, 30.0, 100)
+        svc.state.scraped("p", Gauges(4, 2, kv_usage, 190_000), clock[0])
+        decision = PrefillRecommender(svc.config.autoscaling, svc).recommend()  # type: ignore[arg-type]
+        assert decision is not None
+        return int(decision.reason.rsplit("-> ", 1)[1])
+
+    # A trickle of short prompts needs one pod; the scraped vllm:kv_cache_usage_perc of 0.9
+    # (KV waiting for decode) keeps four, at most a quarter of each one's cache.
+    assert wish(0.0) == 1
+    assert wish(0.9) == 4
