@@ -23,8 +23,8 @@ and KV transfer, t_i = TTFT - S(n_i) - X(n_i). A short prompt may wait much long
 one, so the pool is sized for the share of prompts that would miss, the mean over the routed
 prompts of P(W > t_i), at most 1 - target. Prompts with no slack at all miss on any pool and are
 left out of that mean: no number of pods helps them, and counting them would ask for every pod
-the bounds allow. (Sizing for the tail prompt's slack alone, as this did at first, held a whole
-pod more than the prompts needed for most of a diurnal day.)
+the bounds allow. (Sizing every prompt for the tail prompt's slack, as this did at first, asks
+for more pods than a mix of short and long prompts needs.)
 
 Prompts already queued at the prefill pods are work the steady picture misses: they need
 `waiting * E[S] / TTFT` instances to be served within one target. The headroom over the offered
