@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from disaggpool.core.hardware import builtin_profile
+from disaggpool.engine.request import EngineRequest
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.capacity import pool_capacity
@@ -18,11 +20,14 @@ from disaggpool.sim.scenario import load_scenario
 from disaggpool.studies.autoscale_study import (
     PROFILE,
     AutoscaleConfig,
+    AutoscaleSpec,
+    autoscale_row,
     findings,
     peak_rps,
     run_autoscale,
     run_scenario,
     shape_peak,
+    simulate_autoscale,
 )
 from disaggpool.studies.autoscale_traffic import SHAPES, scaled_lengths, shaped_trace
 
@@ -202,3 +207,25 @@ def test_a_run_reports_its_prefill_pods_and_their_gpu_hours() -> None:
     assert row["gpu_hours"] == pytest.approx(
         row["decode_gpu_hours"] + row["prefill_gpu_hours"], abs=2e-4
     )
+
+
+def test_the_router_runs_as_deployed_and_priority_scheduling_reaches_the_engines() -> None:
+    """Every autoscaler's pool is routed as a deployed router routes it (the P/D decider on:
+    decode pods prefill some prompts themselves in a crowd), and `priority_scheduling` turns on
+    both halves: the router's priorities and engines that honour them."""
+    served: list[list[EngineRequest]] = []
+
+    def keep(spec: AutoscaleSpec) -> dict[str, Any]:
+        outcome, controller = simulate_autoscale(spec)
+        served.append(outcome.requests)
+        return autoscale_row(spec, outcome, controller)
+
+    cfg = dataclasses.replace(
+        AutoscaleConfig.quick(), duration_s=300.0, shapes=("flash",), autoscalers=("keda_queue",)
+    )
+    run_autoscale(cfg, workers=1, run=keep)
+    run_autoscale(dataclasses.replace(cfg, priority_scheduling=True), workers=1, run=keep)
+    fcfs, priority = served
+    assert any(r.prefill_instance == "" and r.first_token >= 0 for r in fcfs)  # prefilled locally
+    assert {r.priority for r in fcfs} == {0}
+    assert {r.priority for r in priority} == {0, 1}

@@ -3,7 +3,8 @@
 One experiment, `experiments.autoscale` in the JSON: every traffic shape of
 `studies.autoscale_traffic` (`diurnal`, `ramp`, `bursts`, `shift`, `mixshift`, `flash`,
 `promptramp`) x every autoscaler of `core.autoscaling_baselines.AUTOSCALERS` x seeds, on the same
-pool and the same routing policy (`calibrated`, the router scraping every second):
+pool and the same routing policy (`calibrated` with a deployed router's switches, the P/D decider
+on; the router scraping every second):
 
 * Pool: the study's configuration, Qwen2.5-3B on A40s with a 60k-token KV budget
   (`a40-qwen2.5-3b`, where chat traffic is decode-bound), 1..4 prefill pods and 1..6 decode pods;
@@ -17,6 +18,8 @@ pool and the same routing policy (`calibrated`, the router scraping every second
   constants). So `mixshift` runs at 75% of the decode pool with outputs x10, `promptramp` ends at
   75% of the prefill pool with prompts x4 (where decode must fit too), over `duration_s`.
 * SLOs: the classes of `sim.capacity.slo_targets` for the Azure chat + code mix.
+* Engines: vLLM's default first-come-first-served scheduling; `priority_scheduling` runs them
+  by priority, the router giving priority 1 to the requests it predicts late.
 * Timing: a new decode pod serves `startup_s` after it is asked for (engine load and probe);
   the autoscalers act every 5 s on a 60 s window, scale down after a 120 s stabilisation window,
   and start with the shape's previous `history_s` of traffic in their window (arrivals and
@@ -34,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from disaggpool.core.autoscaling import Bounds, decode_capacity
@@ -45,13 +48,13 @@ from disaggpool.core.autoscaling_baselines import (
 )
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import make_policy
+from disaggpool.core.policies.registry import default_options, make_policy
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.embedded import azure_services
 from disaggpool.formats.traces import TraceRequest
 from disaggpool.sim.capacity import pool_capacity, slo_targets
-from disaggpool.sim.cluster import InstanceSpec, RouterOptions, Simulation
+from disaggpool.sim.cluster import InstanceSpec, RouterOptions, SimOutcome, Simulation
 from disaggpool.sim.elastic import ElasticController
 from disaggpool.sim.metrics import summarize
 from disaggpool.sim.operating_point import Progress
@@ -63,9 +66,11 @@ from disaggpool.studies.autoscale_traffic import SHAPES, Shape, scaled_lengths, 
 __all__ = [
     "AutoscaleConfig",
     "AutoscaleSpec",
+    "autoscale_row",
     "execute_autoscale",
     "run_autoscale",
     "run_scenario",
+    "simulate_autoscale",
 ]
 
 PROFILE = "a40-qwen2.5-3b"
@@ -90,6 +95,9 @@ class AutoscaleConfig:
     target_goodput: float = 0.99  # the static peak pool's own level: the aim is to match it
     min_headroom: float = 0.0  # ours' floor over the offered load (core.autoscaling)
     history_s: float = 600.0  # traffic every autoscaler remembers from before the run
+    # The engines schedule by priority and the router yields late requests (off: the study's
+    # setup, and vLLM's default).
+    priority_scheduling: bool = False
 
     @classmethod
     def quick(cls) -> AutoscaleConfig:
@@ -115,10 +123,17 @@ class AutoscaleSpec:
     history: tuple[TraceRequest, ...] = ()  # traffic before the run, in the window only
     prefill_bounds: Bounds | None = None
     min_headroom: float = 0.0
+    priority_scheduling: bool = False
 
 
 def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
     """Run one spec; its JSON row."""
+    outcome, controller = simulate_autoscale(spec)
+    return autoscale_row(spec, outcome, controller)
+
+
+def simulate_autoscale(spec: AutoscaleSpec) -> tuple[SimOutcome, ElasticController]:
+    """Run one spec: what the simulation served, and the controller that scaled it."""
     classes = {c.name: c for c in spec.slo_classes}
     decode = [i for i in spec.instances if i.role == "decode"]
     prefill = [i for i in spec.instances if i.role == "prefill"]
@@ -152,21 +167,32 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
         prefill_autoscaler=prefill_scaler,
         prefill_names=_in_start_order(prefill),
     )
+    priority = spec.priority_scheduling
+    # The switches a deployed router runs the policy with (the P/D decider on for ours).
+    options = dataclasses.replace(default_options(spec.policy), priority_scheduling=priority)
     sim = Simulation(
         spec.instances,
-        policies=[make_policy(spec.policy)],
+        policies=[make_policy(spec.policy, options=options)],
         predictor=make_predictor("online"),
         slo_classes=classes,
         default_class=spec.slo_classes[0].name,
         seed=spec.seed,
         router=RouterOptions(scrape_interval_s=spec.scrape_interval_s),
         controller=controller,
+        scheduling="priority" if priority else "fcfs",
     )
     controller.attach(sim)
     controller.remember(spec.history)
     outcome = sim.run(spec.trace)
     controller.close(outcome.end_time)
-    summary = summarize(outcome, classes)
+    return outcome, controller
+
+
+def autoscale_row(
+    spec: AutoscaleSpec, outcome: SimOutcome, controller: ElasticController
+) -> dict[str, Any]:
+    """One run's JSON row (module docstring)."""
+    summary = summarize(outcome, {c.name: c for c in spec.slo_classes})
     tl = controller.timeline
     pods = _pods(tl.serving, tl.starting, tl.draining)
     prefill_pods = _pods(tl.prefill_serving, tl.prefill_starting, tl.prefill_draining)
@@ -207,9 +233,14 @@ def _pods(serving: list[int], starting: list[int], draining: list[int]) -> list[
 
 
 def run_autoscale(
-    cfg: AutoscaleConfig, *, workers: int | None = None, progress: Progress | None = None
+    cfg: AutoscaleConfig,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    run: Callable[[AutoscaleSpec], dict[str, Any]] = execute_autoscale,
 ) -> dict[str, Any]:
-    """Every shape x autoscaler x seed; the JSON document."""
+    """Every shape x autoscaler x seed; the JSON document. `run` makes each spec's row (a bench
+    that reads more of a run than its row passes its own, built on `simulate_autoscale`)."""
     services = azure_services()
     profile = builtin_profile(PROFILE)
     mix = [r for rs in services.values() for r in rs]
@@ -247,10 +278,11 @@ def run_autoscale(
                         history=history,
                         prefill_bounds=prefill_bounds,
                         min_headroom=cfg.min_headroom,
+                        priority_scheduling=cfg.priority_scheduling,
                     )
                 )
     tick = staged(progress, "runs", len(specs))
-    rows = run_all(specs, workers=workers, progress=tick, run=execute_autoscale)
+    rows = run_all(specs, workers=workers, progress=tick, run=run)
     return {
         "config": dataclasses.asdict(cfg),
         "setup": {
