@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from disaggpool.engine.request import EngineRequest
 from disaggpool.sim.cluster import SimOutcome
 from disaggpool.studies.autoscale_study import (
     AutoscaleConfig,
@@ -49,7 +50,7 @@ def anatomy(spec: AutoscaleSpec) -> dict[str, Any]:
 def _split(spec: AutoscaleSpec, outcome: SimOutcome, start: float, end: float) -> dict[str, Any]:
     slo = {c.name: c for c in spec.slo_classes}
 
-    def met(r: Any) -> bool:
+    def met(r: EngineRequest) -> bool:
         c = slo[r.slo_class]
         return r.finish >= 0 and r.ttft <= c.ttft_s and r.tpot <= c.tpot_s
 
@@ -95,7 +96,9 @@ def main() -> None:
     table = _table(rows)
     print(table)
     if args.json:
-        doc = {"config": {"seeds": list(cfg.seeds), "priority_scheduling": args.priority}}
+        doc: dict[str, Any] = {
+            "config": {"seeds": list(cfg.seeds), "priority_scheduling": args.priority}
+        }
         doc |= {"rows": rows, "table": table}
         args.json.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
