@@ -12,7 +12,8 @@ The share is a constant of the autoscaler, not a knob a user sets; this bench se
 constant before each sweep (the runs fork from this process, so they see it).
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/parked_kv_share.py [--shares 0.2,0.25,0.3,0.5]
-[--json FILE]``. Its output with the defaults is `bench/parked_kv_share.json`, quoted in
+[--no-pd-decider] [--json FILE]``. Its outputs with the defaults, and with the router's P/D
+decider off, are `bench/parked_kv_share.json` and `bench/parked_kv_share_no_pd.json`, quoted in
 docs/results/autoscaling.md ("Prefill").
 """
 
@@ -36,11 +37,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--shares", default="0.2,0.25,0.3,0.5")
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument(
+        "--no-pd-decider", action="store_true", help="the router's P/D decider off (default on)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     started = time.time()
     shares: list[float] = [math.inf, *(float(s) for s in args.shares.split(","))]
-    cfg = AutoscaleConfig(shapes=SHAPES, autoscalers=("disaggpool",))
+    cfg = AutoscaleConfig(
+        shapes=SHAPES, autoscalers=("disaggpool",), pd_decider=not args.no_pd_decider
+    )
     rows: list[dict[str, Any]] = []
     for share in shares:
         prefill_scaling.PARKED_KV_SHARE = share
@@ -52,7 +58,8 @@ def main() -> None:
     table = _table(rows)
     print(table)
     if args.json:
-        out = {"config": {"shapes": SHAPES, "seeds": list(cfg.seeds)}, "rows": rows, "table": table}
+        config = {"shapes": SHAPES, "seeds": list(cfg.seeds), "pd_decider": cfg.pd_decider}
+        out = {"config": config, "rows": rows, "table": table}
         args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 

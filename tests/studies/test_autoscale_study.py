@@ -211,8 +211,9 @@ def test_a_run_reports_its_prefill_pods_and_their_gpu_hours() -> None:
 
 def test_the_router_runs_as_deployed_and_priority_scheduling_reaches_the_engines() -> None:
     """Every autoscaler's pool is routed as a deployed router routes it (the P/D decider on:
-    decode pods prefill some prompts themselves in a crowd), and `priority_scheduling` turns on
-    both halves: the router's priorities and engines that honour them."""
+    decode pods prefill some prompts themselves in a crowd; `pd_decider=False` turns it off),
+    and `priority_scheduling` turns on both halves: the router's priorities and engines that
+    honour them."""
     served: list[list[EngineRequest]] = []
 
     def keep(spec: AutoscaleSpec) -> dict[str, Any]:
@@ -225,7 +226,9 @@ def test_the_router_runs_as_deployed_and_priority_scheduling_reaches_the_engines
     )
     run_autoscale(cfg, workers=1, run=keep)
     run_autoscale(dataclasses.replace(cfg, priority_scheduling=True), workers=1, run=keep)
-    fcfs, priority = served
+    run_autoscale(dataclasses.replace(cfg, pd_decider=False), workers=1, run=keep)
+    fcfs, priority, no_decider = served
     assert any(r.prefill_instance == "" and r.first_token >= 0 for r in fcfs)  # prefilled locally
+    assert all(r.prefill_instance for r in no_decider if r.first_token >= 0)
     assert {r.priority for r in fcfs} == {0}
     assert {r.priority for r in priority} == {0, 1}

@@ -19,7 +19,8 @@ on; the router scraping every second):
   75% of the prefill pool with prompts x4 (where decode must fit too), over `duration_s`.
 * SLOs: the classes of `sim.capacity.slo_targets` for the Azure chat + code mix.
 * Engines: vLLM's default first-come-first-served scheduling; `priority_scheduling` runs them
-  by priority, the router giving priority 1 to the requests it predicts late.
+  by priority, the router giving priority 1 to the requests it predicts late. `pd_decider=False`
+  turns the router's P/D decider off (`router.pdDecider: false`).
 * Timing: a new decode pod serves `startup_s` after it is asked for (engine load and probe);
   the autoscalers act every 5 s on a 60 s window, scale down after a 120 s stabilisation window,
   and start with the shape's previous `history_s` of traffic in their window (arrivals and
@@ -98,6 +99,7 @@ class AutoscaleConfig:
     # The engines schedule by priority and the router yields late requests (off: the study's
     # setup, and vLLM's default).
     priority_scheduling: bool = False
+    pd_decider: bool = True  # ours' P/D decider (a deployed router's default)
 
     @classmethod
     def quick(cls) -> AutoscaleConfig:
@@ -124,6 +126,7 @@ class AutoscaleSpec:
     prefill_bounds: Bounds | None = None
     min_headroom: float = 0.0
     priority_scheduling: bool = False
+    pd_decider: bool = True
 
 
 def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
@@ -169,7 +172,11 @@ def simulate_autoscale(spec: AutoscaleSpec) -> tuple[SimOutcome, ElasticControll
     )
     priority = spec.priority_scheduling
     # The switches a deployed router runs the policy with (the P/D decider on for ours).
-    options = dataclasses.replace(default_options(spec.policy), priority_scheduling=priority)
+    options = dataclasses.replace(
+        default_options(spec.policy),
+        priority_scheduling=priority,
+        pd_decider=spec.pd_decider and default_options(spec.policy).pd_decider,
+    )
     sim = Simulation(
         spec.instances,
         policies=[make_policy(spec.policy, options=options)],
@@ -279,6 +286,7 @@ def run_autoscale(
                         prefill_bounds=prefill_bounds,
                         min_headroom=cfg.min_headroom,
                         priority_scheduling=cfg.priority_scheduling,
+                        pd_decider=cfg.pd_decider,
                     )
                 )
     tick = staged(progress, "runs", len(specs))
