@@ -5,7 +5,7 @@
 a third or more of the run's goodput there (docs/results/autoscaling.md). This bench splits each
 run by arrival time: before the crowd, the crowd and the minute after it (720-900 s), after; and
 in the crowd, in 20 s steps, how long prompts waited for prefill, and how many went to the prefill
-pods that were serving before the crowd began (which hold the queue of its first minute), against
+pods that were serving when the crowd began (which hold the queue of its first minute), against
 the pods the autoscaler started for it. With `--priority` the engines schedule by priority and the
 router gives priority 1 to the requests it predicts late (`router.priorityScheduling`).
 
@@ -59,8 +59,10 @@ def _split(spec: AutoscaleSpec, outcome: SimOutcome, start: float, end: float) -
     for name, (lo, hi) in phases.items():
         rs = [r for r in outcome.requests if lo <= r.arrival < hi]
         goodput[name] = round(sum(map(met, rs)) / len(rs), 4) if rs else None
-    # The prefill pods serving before the crowd: those given a request in its last 20 s.
-    old = {r.prefill_instance for r in outcome.requests if start - STEP_S <= r.arrival < start}
+    # The prefill pods serving when the crowd began: those given its arrivals before any pod
+    # asked for at its start could serve (local prefills name none).
+    first = start + spec.bounds.startup_s
+    old = {r.prefill_instance for r in outcome.requests if start <= r.arrival < first} - {""}
     steps = []
     t = start
     while t < end:
