@@ -116,6 +116,39 @@ autoscaling: {max_decode: 3, startup_s: 20, stabilization_s: 60,
     assert ours["gpu_hours"] < rows["static_peak"]["gpu_hours"]
 
 
+def test_a_scenario_file_routes_with_its_own_switches(tmp_path: Path) -> None:
+    """`router.pd_decider` and `router.priority_scheduling` of the file reach the runs."""
+    served: list[list[EngineRequest]] = []
+
+    def keep(spec: AutoscaleSpec) -> dict[str, Any]:
+        outcome, controller = simulate_autoscale(spec)
+        served.append(outcome.requests)
+        return autoscale_row(spec, outcome, controller)
+
+    for router in ("{}", "{pd_decider: false, priority_scheduling: true}"):
+        path = tmp_path / "s.yaml"
+        path.write_text(
+            f"""
+name: crowd
+pool:
+  prefill: [{{count: 1, profile: a40-qwen2.5-3b}}]
+  decode: [{{count: 2, profile: a40-qwen2.5-3b}}]
+slo_classes: [{{name: chat, ttft_s: 0.5, tpot_s: 0.05}}]
+trace:
+  generate: {{process: poisson, rate: 30, n: 900, prompt_mean: 1500, output_mean: 50,
+             sigma: 0.6, classes: {{chat: 1.0}}}}
+policies: [calibrated]
+router: {router}
+autoscaling: {{max_decode: 2, startup_s: 20, autoscalers: [static_peak]}}
+"""
+        )
+        run_scenario(load_scenario(path), workers=1, run=keep)
+    default, switched = ([r for r in requests if r.first_token >= 0] for requests in served)
+    assert any(not r.prefill_instance for r in default)  # the decider on, the file's default
+    assert {r.priority for r in default} == {0}
+    assert all(r.prefill_instance for r in switched) and {r.priority for r in switched} == {0, 1}
+
+
 def test_mixshift_makes_outputs_ten_times_longer_in_the_middle_third_in_whole_minutes() -> None:
     flat = shaped_trace("mixshift", 5.0, 1000.0, FLAT, seed=1)
     # Thirds of 1000 s rounded down to minutes: 300 s and 660 s.

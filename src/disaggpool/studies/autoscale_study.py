@@ -49,7 +49,12 @@ from disaggpool.core.autoscaling_baselines import (
 )
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.hardware import builtin_profile
-from disaggpool.core.policies.registry import default_options, make_policy
+from disaggpool.core.policies.registry import (
+    CALIBRATED_FAMILY,
+    PolicyOptions,
+    default_options,
+    make_policy,
+)
 from disaggpool.core.predictor import make_predictor
 from disaggpool.core.profile import CalibrationProfile
 from disaggpool.formats.embedded import azure_services
@@ -360,17 +365,23 @@ def peak_rps(
 
 
 def run_scenario(
-    scenario: Scenario, *, workers: int | None = None, progress: Progress | None = None
+    scenario: Scenario,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    run: Callable[[AutoscaleSpec], dict[str, Any]] = execute_autoscale,
 ) -> dict[str, Any]:
     """The autoscalers of the file's `autoscaling:` section on its own traffic: its pool is the
     starting pool (the static one serves `max_decode` throughout), decode pods beyond it are
     drawn from its decode instances in order, repeating; its prefill pods are the most that run,
     down to `min_prefill` when the section sets it (else all run throughout); the routing policy
-    is `calibrated` when the file lists it, else its first."""
+    is `calibrated` when the file lists it, else its first, with the file's `router.pd_decider`
+    and `router.priority_scheduling` (`run`: as `run_autoscale`'s)."""
     a = scenario.autoscaling
     if a is None:
         raise ValueError("the scenario has no autoscaling: section")
     policy = "calibrated" if "calibrated" in scenario.policies else scenario.policies[0]
+    switches = scenario.options if policy in CALIBRATED_FAMILY else PolicyOptions()
     bounds = Bounds(a.min_decode, a.max_decode, a.startup_s, a.stabilization_s)
     prefill = [i for i in scenario.instances if i.role == "prefill"]
     prefill_bounds = None
@@ -407,10 +418,12 @@ def run_scenario(
                     policy,
                     scenario.router.scrape_interval_s or 1.0,
                     prefill_bounds=prefill_bounds,
+                    priority_scheduling=switches.priority_scheduling,
+                    pd_decider=switches.pd_decider,
                 )
             )
     tick = staged(progress, "runs", len(specs))
-    rows = run_all(specs, workers=workers, progress=tick, run=execute_autoscale)
+    rows = run_all(specs, workers=workers, progress=tick, run=run)
     return {
         "config": {"scenario": scenario.name, **dataclasses.asdict(a), "policy": policy},
         "experiments": {"autoscale": rows},
