@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,7 @@ autoscaling: {max_decode: 3, startup_s: 20, stabilization_s: 60,
 def test_a_scenario_file_routes_with_its_own_switches(tmp_path: Path) -> None:
     """`router.pd_decider` and `router.priority_scheduling` of the file reach the runs."""
     served: list[list[EngineRequest]] = []
-
-    def keep(spec: AutoscaleSpec) -> dict[str, Any]:
-        outcome, controller = simulate_autoscale(spec)
-        served.append(outcome.requests)
-        return autoscale_row(spec, outcome, controller)
+    keep = _keeping(served)
 
     for router in ("{}", "{pd_decider: false, priority_scheduling: true}"):
         path = tmp_path / "s.yaml"
@@ -248,11 +245,7 @@ def test_the_router_runs_as_deployed_and_priority_scheduling_reaches_the_engines
     and `priority_scheduling` turns on both halves: the router's priorities and engines that
     honour them."""
     served: list[list[EngineRequest]] = []
-
-    def keep(spec: AutoscaleSpec) -> dict[str, Any]:
-        outcome, controller = simulate_autoscale(spec)
-        served.append(outcome.requests)
-        return autoscale_row(spec, outcome, controller)
+    keep = _keeping(served)
 
     cfg = dataclasses.replace(
         AutoscaleConfig.quick(), duration_s=300.0, shapes=("flash",), autoscalers=("keda_queue",)
@@ -265,3 +258,14 @@ def test_the_router_runs_as_deployed_and_priority_scheduling_reaches_the_engines
     assert all(r.prefill_instance for r in no_decider if r.first_token >= 0)
     assert {r.priority for r in fcfs} == {0}
     assert {r.priority for r in priority} == {0, 1}
+
+
+def _keeping(served: list[list[EngineRequest]]) -> Callable[[AutoscaleSpec], dict[str, Any]]:
+    """A `run=` for the studies that keeps each run's requests in `served`, in run order."""
+
+    def keep(spec: AutoscaleSpec) -> dict[str, Any]:
+        outcome, controller = simulate_autoscale(spec)
+        served.append(outcome.requests)
+        return autoscale_row(spec, outcome, controller)
+
+    return keep
