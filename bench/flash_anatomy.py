@@ -51,8 +51,7 @@ def _split(spec: AutoscaleSpec, outcome: SimOutcome, start: float, end: float) -
     slo = {c.name: c for c in spec.slo_classes}
 
     def met(r: EngineRequest) -> bool:
-        c = slo[r.slo_class]
-        return r.finish >= 0 and r.ttft <= c.ttft_s and r.tpot <= c.tpot_s
+        return r.finish >= 0 and slo[r.slo_class].met(r.ttft, r.tpot)
 
     phases = {"before": (-1.0, start), "crowd": (start, end), "after": (end, float("inf"))}
     goodput = {}
@@ -125,8 +124,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
         def mean(get: Any, rs: list[dict[str, Any]] = mine) -> float:
             return statistics.fmean(get(r) for r in rs)
 
-        phase = {p: mean(lambda r, p=p: r["goodput_by_phase"][p]) for p in ("before", "crowd")}
-        phase["after"] = mean(lambda r: r["goodput_by_phase"]["after"])
+        phase = {
+            p: mean(lambda r, p=p: r["goodput_by_phase"][p]) for p in ("before", "crowd", "after")
+        }
         lines.append(
             f"| {name} | {mean(lambda r: r['goodput']):.3f} | {phase['before']:.3f} | "
             f"{phase['crowd']:.3f} | {phase['after']:.3f} | {mean(lambda r: r['gpu_hours']):.2f} "
