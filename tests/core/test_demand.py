@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from disaggpool.core.demand import DemandWindow
+from autoscale_kit import demand
+from disaggpool.core.demand import Demand, DemandWindow
 
 
 def feed(window: DemandWindow, times: list[float]) -> None:
@@ -35,7 +37,40 @@ def test_rate_and_trend_of_a_steady_ramp() -> None:
     d = w.demand(60.0)
     assert d.arrival_rps == pytest.approx(sum(range(1, 13)) / 60.0)
     assert d.rate_slope == pytest.approx(0.2 / 5.0)
+    # Poisson counts of mean 6.5 per 5 s bin; sxx = 25 x sum((k - 5.5)^2) = 3,575.
+    assert d.rate_slope_se == pytest.approx(math.sqrt(6.5 / 25.0 / 3575.0))
     assert d.window_s == 60.0
+
+
+def _demands_every_5_s(times: list[float], end: float) -> list[Demand]:
+    """A window fed `times` as they come, read every 5 s from its first minute to `end`."""
+    w = DemandWindow(window_s=60.0, bin_s=5.0)
+    out, i = [], 0
+    for now in range(60, int(end) + 1, 5):
+        while i < len(times) and times[i] < now:
+            w.arrived(times[i])
+            i += 1
+        out.append(w.demand(float(now)))
+    return out
+
+
+def test_a_steady_rate_rises_within_its_noise_and_a_ramp_beyond_it() -> None:
+    z = 2.326  # the 99% quantile
+    steady = _demands_every_5_s(poisson(lambda t: 6.0, 0.0, 900.0, seed=4), 900.0)
+    # Every minute of steady traffic has a slope; the largest of many is two errors or more...
+    assert max(d.rate_slope / d.rate_slope_se for d in steady) > 2.0
+    # ...and about 1% of them pass z errors: what is left of the slope asks for nothing.
+    assert sum(d.significant_rise(z) > 0 for d in steady) <= 0.03 * len(steady)
+    # 6 to 40 req/s over two minutes, 0.28 req/s per s: most of it significant within 30 s.
+    ramp = _demands_every_5_s(poisson(lambda t: 6.0 + 34.0 * t / 120.0, 0.0, 120.0, 5), 120.0)
+    assert all(d.significant_rise(z) > 0.1 for d in ramp[6:])
+
+
+def test_bursty_counts_widen_the_error_of_the_slope() -> None:
+    d = demand(rate_slope=0.1, rate_slope_se=0.02)
+    assert d.significant_rise(2.0) == pytest.approx(0.06)
+    assert d.significant_rise(2.0) == dataclasses.replace(d, dispersion=0.5).significant_rise(2.0)
+    assert dataclasses.replace(d, dispersion=9.0).significant_rise(2.0) == 0.0  # 0.1 - 2 x 0.06
 
 
 def test_a_young_window_divides_by_what_it_has_seen() -> None:

@@ -36,7 +36,8 @@ instead of vanishing: the quantile stays.)
 
 A new pod serves only after its cold start (vLLM loading the model, then the calibration probe),
 so lambda is read one cold start ahead along the window's trend (only upwards: a falling trend is
-left to the scale-down stabilisation).
+left to the scale-down stabilisation). The whole slope, noise included: the prefill scaler reads
+only its significant part, and `core.prefill_scaling` says why decode does not.
 
 Requests already queued for a decode slot (the pods' `num_requests_waiting`) are load this
 steady-state picture misses, so they are added to S as slots. A floor on the headroom,

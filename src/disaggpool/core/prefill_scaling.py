@@ -8,10 +8,17 @@ S(n) = p0 + p1 n + p2 n^2 seconds on a prefill instance (`PrefillModel.prompt_ti
 known exactly as they are routed, so the service times of the last routed prompts
 (`Demand.prompts`) give E[S] and its squared coefficient of variation cs^2 without waiting for
 anything to finish: a shift to longer prompts is priced on its first requests. With arrivals at
-rate lambda (read one cold start ahead along the window's trend, as for decode) the pool offers
-a = lambda E[S] busy instances. The router spreads prompts over the pool as one queue does over c
-servers, so the pool is an M/G/c queue; by the Allen-Cunneen approximation a prompt waits longer
-than t with probability
+rate lambda the pool offers a = lambda E[S] busy instances. lambda is read one cold start ahead
+along the part of the window's trend that is significant at the target quantile
+(`Demand.significant_rise`). The whole upward slope, as decode reads it, is noise on steady
+traffic, and the stabiliser keeps the largest wish of its window, so the noise's peaks held a
+second prefill pod through the flash crowd's base rate; counting only the significant part saved
+1 to 7% of ours' GPU-hours on every shape of `sim autoscale` with its goodput within 0.07 points.
+(Decode keeps the whole slope: read the same way there, it lost 20 points on `bursts`, whose
+bursts last one cold start and are met by the pods the pool holds between them.)
+
+The router spreads prompts over the pool as one queue does over c servers, so the pool is an
+M/G/c queue; by the Allen-Cunneen approximation a prompt waits longer than t with probability
 
     P(W > t) ~= C(c, a) exp(-2 (c - a) t / ((ca^2 + cs^2) E[S])),
 
@@ -24,7 +31,9 @@ one, so the pool is sized for the share of prompts that would miss, the mean ove
 prompts of P(W > t_i), at most 1 - target. Prompts with no slack at all miss on any pool and are
 left out of that mean: no number of pods helps them, and counting them would ask for every pod
 the bounds allow. (Sizing every prompt for the tail prompt's slack, as this did at first, asks
-for more pods than a mix of short and long prompts needs.)
+for more pods than a mix of short and long prompts needs.) On the study's chat prompts that
+share is within 30% of a simulated first-come-first-served queue's at one and two pods
+(`tests/core/test_prefill_scaling.py`).
 
 Prompts already queued at the prefill pods are work the steady picture misses: they need
 `waiting * E[S] / TTFT` instances to be served within one target. The headroom over the offered
@@ -53,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from statistics import fmean, median
+from statistics import NormalDist, fmean, median
 
 from disaggpool.core.autoscaling import (
     Bounds,
@@ -116,6 +125,7 @@ class PrefillScaler:
         self.profiles = list(profiles)
         self.ttft_s = ttft_s
         self.target = target_goodput
+        self.z = NormalDist().inv_cdf(target_goodput)
         self.min_headroom = min_headroom
         self.stabilizer = Stabilizer(bounds)
 
@@ -138,7 +148,8 @@ class PrefillScaler:
             for n in prompts
         ]
         ahead = self.bounds.startup_s + demand.window_s / 2.0
-        rate = demand.arrival_rps + max(0.0, demand.rate_slope) * ahead
+        rise = demand.significant_rise(self.z)
+        rate = demand.arrival_rps + rise * ahead
         load = rate * mean_s
         burst = max(1.0, demand.dispersion)
         c = _servers(load, burst + scv, mean_s, slacks, 1.0 - self.target)
@@ -147,7 +158,8 @@ class PrefillScaler:
         pods = max(c, (1.0 + self.min_headroom) * load, load + backlog, parked)
         n = math.ceil(pods - 1e-9)
         return n, (
-            f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s), prefill "
+            f"{demand.arrival_rps:.2f} req/s (trend {demand.rate_slope:+.3f}/s, {rise:+.3f} "
+            f"significant), prefill "
             f"{1000 * mean_s:.0f} ms cs2 {scv:.2f}, dispersion {demand.dispersion:.2f}, "
             f"{waiting} waiting, KV {kv_usage:.2f} pods' worth: {load:.2f} busy -> {n}"
         )

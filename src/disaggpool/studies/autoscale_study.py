@@ -44,6 +44,7 @@ from typing import Any, Literal
 from disaggpool.core.autoscaling import Bounds, decode_capacity
 from disaggpool.core.autoscaling_baselines import (
     AUTOSCALERS,
+    Autoscaler,
     make_autoscaler,
     make_prefill_autoscaler,
 )
@@ -140,8 +141,16 @@ def execute_autoscale(spec: AutoscaleSpec) -> dict[str, Any]:
     return autoscale_row(spec, outcome, controller)
 
 
-def simulate_autoscale(spec: AutoscaleSpec) -> tuple[SimOutcome, ElasticController]:
-    """Run one spec: what the simulation served, and the controller that scaled it."""
+#: What `simulate_autoscale` passes each role's autoscaler through: ("decode" or "prefill", the
+#: autoscaler) -> the one that runs (a bench's wrapper; the study runs them as they are).
+Wrap = Callable[[str, Autoscaler], Autoscaler]
+
+
+def simulate_autoscale(
+    spec: AutoscaleSpec, *, wrap: Wrap | None = None
+) -> tuple[SimOutcome, ElasticController]:
+    """Run one spec: what the simulation served, and the controller that scaled it; `wrap`: a
+    wrapper around each role's autoscaler (`Wrap`)."""
     classes = {c.name: c for c in spec.slo_classes}
     decode = [i for i in spec.instances if i.role == "decode"]
     prefill = [i for i in spec.instances if i.role == "prefill"]
@@ -165,6 +174,10 @@ def simulate_autoscale(spec: AutoscaleSpec) -> tuple[SimOutcome, ElasticControll
             spec.target_goodput,
             min_headroom=spec.min_headroom,
         )
+    if wrap is not None:
+        scaler = wrap("decode", scaler)
+        if prefill_scaler is not None:
+            prefill_scaler = wrap("prefill", prefill_scaler)
     controller = ElasticController(
         scaler,
         _in_start_order(decode),
