@@ -12,9 +12,10 @@ rate lambda the pool offers a = lambda E[S] busy instances. lambda is read one c
 along the part of the window's trend that is significant at the target quantile
 (`Demand.significant_rise`). The whole upward slope, as decode reads it, is noise on steady
 traffic, and the stabiliser keeps the largest wish of its window, so the noise's peaks held a
-second prefill pod through the flash crowd's base rate; counting only the significant part saved
-1 to 7% of ours' GPU-hours on every shape of `sim autoscale` with its goodput within 0.07 points.
-(Decode keeps the whole slope: read the same way there, it lost 20 points on `bursts`, whose
+second prefill pod through the flash crowd's base rate. Counting only the significant part saved
+up to 7% of ours' GPU-hours in `sim autoscale` (2% on `diurnal`, 7% on `flash`, whose goodput rose
+3 points; none on `bursts` and `mixshift`), every other goodput within 0.07 points.
+(Decode keeps the whole slope: a trial of the same rule there lost goodput on `bursts`, whose
 bursts last one cold start and are met by the pods the pool holds between them.)
 
 The router spreads prompts over the pool as one queue does over c servers, so the pool is an
