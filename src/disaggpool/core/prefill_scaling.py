@@ -75,7 +75,7 @@ from disaggpool.core.autoscaling import (
 from disaggpool.core.demand import Demand
 from disaggpool.core.profile import CalibrationProfile
 
-__all__ = ["PrefillScaler", "erlang_c", "prefill_service"]
+__all__ = ["PrefillScaler", "erlang_c", "miss_share", "prefill_service"]
 
 #: The most instances above the offered load the search tries (a target no pool meets).
 MAX_EXTRA = 256
@@ -172,11 +172,24 @@ class PrefillScaler:
         return ScaleDecision(self.stabilizer.apply(demand.now, wish, pool.current), why)
 
 
+def miss_share(
+    servers: int, load: float, variability: float, mean_s: float, slacks: Sequence[float]
+) -> float:
+    """The mean over `slacks` of P(wait > slack) in an M/G/c queue of `servers` and offered
+    `load` (Allen-Cunneen, `variability` = ca^2 + cs^2, `mean_s` = E[S]); prompts without slack
+    left out, 0 when none has any (module docstring)."""
+    helped = [t for t in slacks if t > 0]
+    if not helped:
+        return 0.0
+    decay = 2.0 * (servers - load) / (variability * mean_s)
+    waits = erlang_c(servers, load)
+    return fmean(waits * math.exp(-decay * t) for t in helped)
+
+
 def _servers(
     load: float, variability: float, mean_s: float, slacks: Sequence[float], miss: float
 ) -> int:
-    """The fewest servers for which the mean over `slacks` of P(wait > slack) is at most `miss`
-    (Allen-Cunneen, `variability` = ca^2 + cs^2), at least one; prompts without slack left out."""
+    """The fewest servers for which `miss_share` is at most `miss`, at least one."""
     if load <= 0:
         return 0
     start = max(1, math.floor(load) + 1)
@@ -184,8 +197,6 @@ def _servers(
     if not helped:
         return start
     for c in range(start, start + MAX_EXTRA):
-        decay = 2.0 * (c - load) / (variability * mean_s)
-        waits = erlang_c(c, load)
-        if fmean(waits * math.exp(-decay * t) for t in helped) <= miss:
+        if miss_share(c, load, variability, mean_s, helped) <= miss:
             return c
     return start + MAX_EXTRA
