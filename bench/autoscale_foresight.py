@@ -11,7 +11,7 @@ autoscaler starting from the same pool loses. A lead of one cold start has the p
 the change arrives. Plain ours (no foresight) runs beside, on the same traces.
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/autoscale_foresight.py [--leads 0,30,60]
-[--seeds 1,2,3] [--json FILE]`` (about 3 minutes on 2 cores). Its output is
+[--seeds 1,2,3] [--json FILE]`` (about 75 s on 2 cores). Its output is
 `bench/autoscale_foresight.json`, quoted in docs/results/autoscaling.md ("How close").
 """
 

@@ -59,8 +59,8 @@ def _split(spec: AutoscaleSpec, outcome: SimOutcome, start: float, end: float) -
     for name, (lo, hi) in phases.items():
         rs = [r for r in outcome.requests if lo <= r.arrival < hi]
         goodput[name] = round(sum(map(met, rs)) / len(rs), 4) if rs else None
-    # The prefill pods serving when the crowd began: those given its arrivals before any pod
-    # asked for at its start could serve (local prefills name none).
+    # The prefill and decode pods serving when the crowd began: those given its arrivals before
+    # any pod asked for at its start could serve (local prefills name no prefill pod).
     first = start + spec.bounds.startup_s
     first_minute = [r for r in outcome.requests if start <= r.arrival < first]
     old = {r.prefill_instance for r in first_minute} - {""}
