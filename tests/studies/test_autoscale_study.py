@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from disaggpool.core.autoscaling import PoolState, ScaleDecision
+from disaggpool.core.autoscaling_baselines import Autoscaler
+from disaggpool.core.demand import Demand
 from disaggpool.core.hardware import builtin_profile
 from disaggpool.engine.request import EngineRequest
 from disaggpool.formats.embedded import azure_services
@@ -269,3 +272,35 @@ def _keeping(served: list[list[EngineRequest]]) -> Callable[[AutoscaleSpec], dic
         return autoscale_row(spec, outcome, controller)
 
     return keep
+
+
+def test_wrap_puts_each_roles_autoscaler_behind_a_wrapper() -> None:
+    """`simulate_autoscale(wrap=)` passes each role's autoscaler through the wrapper, whose
+    decisions are the ones the pool follows (what `bench/autoscale_foresight.py` relies on)."""
+    wrapped: list[str] = []
+
+    class OnePod:
+        """Asks for one pod, whatever the autoscaler inside (still consulted) asks for."""
+
+        def __init__(self, inner: Autoscaler) -> None:
+            self.inner, self.name = inner, inner.name
+
+        def decide(self, demand: Demand, pool: PoolState) -> ScaleDecision:
+            self.inner.decide(demand, pool)
+            return ScaleDecision(1, "one pod")
+
+    def wrap(role: str, scaler: Autoscaler) -> Autoscaler:
+        wrapped.append(role)
+        return OnePod(scaler)
+
+    def run(spec: AutoscaleSpec) -> dict[str, Any]:
+        return autoscale_row(spec, *simulate_autoscale(spec, wrap=wrap))
+
+    cfg = dataclasses.replace(
+        AutoscaleConfig.quick(), duration_s=300.0, shapes=("flash",), autoscalers=("static_peak",)
+    )
+    (row,) = run_autoscale(cfg, workers=1, run=run)["experiments"]["autoscale"]
+    assert wrapped == ["decode", "prefill"]
+    # The static pool asks for every pod; behind the wrapper both roles drain to one.
+    assert row["timeline"]["decode_pods"][-1] == 1
+    assert row["timeline"]["prefill_pods"][-1] == 1
