@@ -13,11 +13,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import yaml
 from completions import complete
 from images import EMULATED_ENGINE
 from node_cluster import NodeCluster
 
+from disaggpool.core.profile import CalibrationProfile, profile_from_dict
 from disaggpool.kubeclient.paths import pod_ready
+from disaggpool.labels import PROFILE_KEY
+from disaggpool.operator.names import profile_configmap_name
 
 #: 1 prefill + 2 decode on CPUs (`gpus: 0`). The engine image's `vllm` runs the emulator with
 #: the command line the operator renders (vllm_shim.py), so the probe measures a real HTTP engine.
@@ -115,6 +119,21 @@ def http_status(url: str) -> int:
 def engine_pods(node: NodeCluster) -> list[dict[str, Any]]:
     pods = node.get("pods", "-n", "default", "-l", "disaggpool.io/pool=cpu")["items"]
     return [p for p in pods if p["metadata"]["labels"].get("disaggpool.io/role")]
+
+
+def decode_profiles(node: NodeCluster) -> list[CalibrationProfile]:
+    """The profiles the probe wrote for the cpu pool's decode pods (the ones the router plans
+    with: they are measured on this host, whose load slows the emulated steps)."""
+    names = [
+        p["metadata"]["name"]
+        for p in engine_pods(node)
+        if p["metadata"]["labels"]["disaggpool.io/role"] == "decode"
+    ]
+    maps = [node.get("configmap", "-n", "default", profile_configmap_name("cpu", n)) for n in names]
+    return [
+        profile_from_dict(yaml.safe_load(m["data"][PROFILE_KEY]), m["metadata"]["name"])
+        for m in maps
+    ]
 
 
 def succeeded_jobs(node: NodeCluster, selector: str) -> list[dict[str, Any]]:

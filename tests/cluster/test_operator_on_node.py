@@ -27,6 +27,7 @@ from operator_node_kit import (
     SLOW_POOL,
     bursty_trace,
     complete_through,
+    decode_profiles,
     decode_replicas,
     delete_pool,
     engine_pods,
@@ -46,6 +47,7 @@ from operator_node_kit import (
     wait_for_decode_pods,
 )
 
+from disaggpool.core.autoscaling import tpot_batch
 from disaggpool.core.contracts import SLOClass
 from disaggpool.formats.trace_request import TraceRequest
 from disaggpool.kubeclient.paths import pod_ready
@@ -441,6 +443,10 @@ def test_longer_outputs_at_a_constant_rate_raise_the_recommendation_before_tpot_
     patch_rolling_the_router(node, loop, "the router pod sized for a 16 ms TPOT")
     wait_for_decode_pods(node, 2)
     assert decode_replicas(node) == 2
+    # What the router plans with: the profiles the probe measured on this host (the arithmetic
+    # above says 6 a pod; 5 to 8 were measured beside other work), printed for the record.
+    batches = [tpot_batch(p, 3100, tpot_s) for p in decode_profiles(node)]
+    print(f"\n[cluster] decode batches within {tpot_s * 1000:g} ms at 3,100 tokens: {batches}")
     n_short, n_long = 45, 24  # 30 s of 100-token outputs, then 16 s of 1,000-token ones
     trace = [
         TraceRequest(i / rps, prompt, 100 if i < n_short else 1000, "interactive")

@@ -69,6 +69,25 @@ def test_a_pool_filling_up_to_what_the_mix_accounts_for_asks_for_nothing_more() 
     assert d.replicas == 4
 
 
+def test_sequences_waiting_for_their_kv_count_in_the_context_the_pool_holds() -> None:
+    """A pool starting up: 3 sequences of 3,000-token prompts held, one decoding and two still
+    receiving their KV (vLLM counts those waiting, reason "deferred", their blocks taken). The
+    pool heads for 6 sequences of 3,000 tokens: 18,000 of 30,000 KV tokens, one pod, however
+    the 3 split. (Per running sequence, the context looked 9,000 tokens deep: 2 pods.)"""
+    wishes = {}
+    for running, waiting in ((3, 0), (1, 2)):
+        s = scaler()
+        for t in range(0, 30, 5):  # empty, then 3 held at the last tick: a significant rise
+            s.occupancy.add(float(t), 0.0, 0.0)
+        s.occupancy.add(30.0, 3.0, 9000.0)
+        pool = PoolState(
+            1, 0, waiting=waiting, deferred=waiting, running=running, kv_usage=9000 / 30_000
+        )
+        wishes[running] = s.held_wish(demand(mean_prompt=3000.0), pool, expected=0.0)
+    assert "heading for" in wishes[3][1] and wishes[3][0] == 1
+    assert wishes[1] == wishes[3]
+
+
 def test_longer_predicted_outputs_as_routed_raise_the_wish_before_any_finishes() -> None:
     s = scaler()
     # Routed requests predicted at 400 tokens, finished ones at 200: residence doubles.

@@ -28,7 +28,8 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 vllm:num_requests_running{engine="1",model_name="m"} 4.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
-vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 9.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
@@ -41,6 +42,9 @@ def test_data_parallel_engines_are_summed() -> None:
     g = parse_gauges(DP)
     assert (g.running, g.waiting, g.kv_capacity_tokens, g.preemptions) == (7, 1, 3200, 2.0)
     assert g.kv_usage == pytest.approx(0.5)  # the mean fraction over engines of equal size
+    assert g.deferred == 1  # waiting for remote KV: part of the waiting, never more than it
+    assert parse_gauges(DP.replace('"deferred"} 1.0', '"deferred"} 9.0')).deferred == 1
+    assert parse_gauges(DP.replace('"deferred"} 1.0', '"capacity"} 1.0')).deferred == 0
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,8 @@ held (running + waiting) and their KV over the last `OCCUPANCY_SPAN_S`, and proj
 cold start ahead along their least-squares trend, counting only the part of the slope
 significant at the target quantile (slope - z * its standard error), so the noise of a steady
 pool asks for nothing. The pods that projection needs, at the batch the TPOT target allows at
-the context the held sequences have now and within the pool's KV, are a second wish; the
+the context the held sequences have now (the KV in use over the sequences running or receiving
+their KV, `PoolState.deferred`) and within the pool's KV, are a second wish; the
 larger one wins. A falling occupancy projects nothing: scale-down stays with the rules below.
 
 **Rules** (`Stabilizer`): no scale-down before the demand window has seen a whole burst window
@@ -170,6 +171,7 @@ class PoolState:
     ready: int  # serving
     starting: int  # asked for, not serving yet
     waiting: int = 0  # sum of vllm:num_requests_waiting over the ready pods
+    deferred: int = 0  # of those, waiting for their KV from a prefill pod (its blocks taken)
     running: int = 0  # sum of vllm:num_requests_running over the ready pods
     # Prompt tokens routed to the role's pods and not yet prefilled (prefill pools; the
     # router's books): what llm-d's token-aware prefill scaler reads.
@@ -398,8 +400,11 @@ class HeterogeneityScaler:
         kv_now = self.occupancy.ahead(0.0, self.z)[2]
         # The context a held sequence has now, and will have at its end: one that has run so
         # far is expected to run as long again (at a random instant a sequence is, on average,
-        # halfway through), so its generated part doubles.
-        context = kv_now / max(1, pool.running)
+        # halfway through), so its generated part doubles. The KV in use is that of the running
+        # sequences and of those waiting for their KV (their blocks taken), not of those waiting
+        # for room: per running sequence alone, a pool starting up with its first transfers in
+        # flight looked three times as deep as it was, and asked for pods.
+        context = kv_now / max(1, pool.running + pool.deferred)
         final = max(context, 2.0 * context - demand.mean_prompt)
         batch = median(tpot_batch(p, context, self.tpot_s) for p in self.profiles)
         kv_cap = median(p.kv_capacity_tokens for p in self.profiles)

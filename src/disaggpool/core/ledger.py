@@ -98,6 +98,9 @@ class Gauges:
     kv_usage: float  # fraction of the KV cache in use
     kv_capacity_tokens: int  # num_gpu_blocks * block_size (0 if not reported)
     preemptions: float = 0.0
+    # Of `waiting`, those waiting for their KV from a prefill pod, their blocks already taken
+    # (vllm:num_requests_waiting_by_reason{reason="deferred"}; 0 where not reported).
+    deferred: int = 0
 
     @property
     def kv_tokens_used(self) -> int:

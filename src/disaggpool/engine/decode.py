@@ -183,6 +183,11 @@ class DecodeEngine:
         return len(self.waiting) + len(self._transfers) + len(self._ready)
 
     @property
+    def num_deferred(self) -> int:
+        """Of `num_waiting`, those whose KV is on its way or here (their blocks reserved)."""
+        return len(self._transfers) + len(self._ready)
+
+    @property
     def idle(self) -> bool:
         return not (self.batch or self.waiting or self._transfers or self._ready)
 

@@ -91,6 +91,7 @@ class _Recommender(abc.ABC):
             ready=ready,
             starting=max(0, (self.last or ready) - ready),
             waiting=sum(g.waiting for g in gauges),
+            deferred=sum(g.deferred for g in gauges),
             running=sum(g.running for g in gauges),
             kv_usage=sum(g.kv_usage for g in gauges),
         )

@@ -6,7 +6,8 @@ Values are summed over the `engine` label (data-parallel pods expose one series 
 Names are vLLM's V1 names (`docs/vllm-protocol.md` §3):
 `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a 0-1
 fraction despite the name), `vllm:cache_config_info` (labels `num_gpu_blocks`, `block_size`),
-`vllm:num_preemptions_total`.
+`vllm:num_preemptions_total`, and, where the engine has it, the part of the waiting that waits
+for remote KV (`vllm:num_requests_waiting_by_reason{reason="deferred"}`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG = "vllm:cache_config_info"
-_NAMES = (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, CACHE_CONFIG)
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+_NAMES = (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, CACHE_CONFIG, WAITING_BY_REASON)
 MAX_COUNT = 2.0**31  # more requests, or preemptions, than any engine has seen
 
 
@@ -63,10 +65,16 @@ def parse_gauges(text: str) -> Gauges:
     kv_usage = sum(usage) / len(usage) if usage else 0.0
     if kv_usage > 1.01:  # a 0-1 fraction; a hair above 1 is float noise, more is not vLLM's
         raise MetricsFormatError(f"{KV_USAGE} is {kv_usage}: not a 0-1 fraction")
+    waiting = promtext.total(samples, WAITING)
     return Gauges(
         running=int(promtext.total(samples, RUNNING)),
-        waiting=int(promtext.total(samples, WAITING)),
+        waiting=int(waiting),
         kv_usage=min(1.0, kv_usage),
         kv_capacity_tokens=capacity,
         preemptions=promtext.total(samples, PREEMPTIONS),
+        # Part of the waiting (vLLM's two reasons add up to it): a page that says more is
+        # clamped, not refused, since the series is optional and the rest of the page is sound.
+        deferred=int(
+            min(waiting, promtext.total(samples, WAITING_BY_REASON, {"reason": "deferred"}))
+        ),
     )

@@ -234,6 +234,7 @@ class ElasticController:
             ready=len(serving),
             starting=len(self.decode.ready_at),
             waiting=sum(d.num_waiting for d in serving),
+            deferred=sum(d.num_deferred for d in serving),
             running=sum(d.num_running for d in serving),
             kv_usage=sum(
                 k / d.profile.kv_capacity_tokens for d, k in zip(serving, kv, strict=True)
