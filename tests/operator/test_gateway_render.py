@@ -20,6 +20,7 @@ import yaml
 from operator_testkit import CRD_PATH, load_sample
 from test_pod_security import restricted_violations
 
+from disaggpool.core.lease import LeaseTimings
 from disaggpool.kubeclient.paths import matches
 from disaggpool.operator.calibration_plan import render_calibration_job
 from disaggpool.operator.names import PoolRef
@@ -92,8 +93,12 @@ def test_gateway_mode_renders_an_inference_pool_of_exactly_the_decode_pods() -> 
     }
     router = _containers(_by_kind(docs, "Deployment")["hetero-router"])["router"]
     assert {"name": "grpc-epp", "containerPort": 9002} in router["ports"]
-    # Kubernetes 1.20 has no gRPC probes: the router keeps its HTTP ones.
-    assert router["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    # Kubernetes 1.20 has no gRPC probes: the router keeps its HTTP ones. The sample runs two
+    # router replicas (active/passive): the kubelet leaves out the leadership check.
+    assert router["readinessProbe"]["httpGet"] == {
+        "path": "/readyz?exclude=leader",
+        "port": "http",
+    }
     # The InferencePool is valid against the CRD the e2e tests install.
     crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -165,6 +170,16 @@ def test_frontdoor_mode_renders_none_of_it() -> None:
         assert "ext_proc" not in config["listen"] and "gateway" not in config
 
 
+def _assert_refused(router: dict[str, Any], field: str, words: str) -> None:
+    """The small sample with `router` merged in is refused, naming `field`, with `words`."""
+    doc = load_sample("small.yaml")["spec"]
+    doc["router"].update(router)
+    spec, issues = parse_spec(doc, "img")
+    assert spec is None
+    (issue,) = [i for i in issues if i.field == field]
+    assert words in issue.message and str(issue).startswith(f"spec.{field}:")
+
+
 @pytest.mark.parametrize(
     ("router", "field", "words"),
     [
@@ -181,12 +196,7 @@ def test_frontdoor_mode_renders_none_of_it() -> None:
 def test_a_bad_mode_or_an_unauthenticated_gateway_is_refused(
     router: dict[str, Any], field: str, words: str
 ) -> None:
-    doc = load_sample("small.yaml")["spec"]
-    doc["router"].update(router)
-    spec, issues = parse_spec(doc, "img")
-    assert spec is None
-    (issue,) = [i for i in issues if i.field == field]
-    assert words in issue.message and str(issue).startswith(f"spec.{field}:")
+    _assert_refused(router, field, words)
 
 
 def test_the_operators_default_mode_applies_to_pools_that_name_none() -> None:
@@ -298,13 +308,27 @@ def test_replicated_gateway_routers_elect_a_leader_on_a_lease_of_their_own(
     config = yaml.safe_load(render_router_config(pool, spec))
     role = _by_kind(render_pool(pool, spec), "Role")[f"{pool.name}-router"]
     lease_rules = [r for r in role["rules"] if r["apiGroups"] == ["coordination.k8s.io"]]
+    docs = render_pool(pool, spec)
+    service = _by_kind(docs, "Service")[f"{pool.name}-router"]
+    router = _containers(_by_kind(docs, "Deployment")[f"{pool.name}-router"])["router"]
+    endpoint_rules = [r for r in role["rules"] if r["resources"] == ["endpoints"]]
     if not elects:  # one replica, or every replica routing on shared books
-        assert "leader_election" not in config and lease_rules == []
+        assert "leader_election" not in config and lease_rules == [] and endpoint_rules == []
+        assert "selector" in service["spec"] and "Endpoints" not in {d["kind"] for d in docs}
+        assert router["readinessProbe"]["httpGet"]["path"] == "/readyz"
         return
     lease = f"{pool.name}-router-leader"
-    assert config["leader_election"] == {"namespace": "serving", "name": lease}
+    # The leader points the Service's Endpoints at itself, port by the Service's port names.
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert ports == {"grpc": 50051, "http": 8000, "grpc-epp": 9002}
+    assert config["leader_election"] == {
+        "namespace": "serving",
+        "name": lease,
+        "endpoints": {"name": f"{pool.name}-router", "ports": ports},
+    }
     parsed = parse_config(config, "sidecar.yaml").leader_election
     assert parsed is not None and parsed.identity == ""  # each replica: its pod's name
+    assert parsed.endpoints is not None and dict(parsed.endpoints.ports) == ports
     assert lease_rules == [
         {
             "apiGroups": ["coordination.k8s.io"],
@@ -314,6 +338,75 @@ def test_replicated_gateway_routers_elect_a_leader_on_a_lease_of_their_own(
         },
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
     ]
+    assert endpoint_rules == [
+        {
+            "apiGroups": [""],
+            "resources": ["endpoints"],
+            "resourceNames": [f"{pool.name}-router"],
+            "verbs": ["patch"],
+        }
+    ]
+    # So the Service has no selector, and the operator creates its Endpoints empty: the leader
+    # fills them in. Every healthy replica is Ready (a rollout needs Ready pods); the kubelet's
+    # probe leaves out the leadership check, and the pod knows its address.
+    assert "selector" not in service["spec"]
+    (endpoints,) = [d for d in docs if d["kind"] == "Endpoints"]
+    assert endpoints["metadata"]["name"] == f"{pool.name}-router" and "subsets" not in endpoints
+    assert endpoints["metadata"]["ownerReferences"][0]["kind"] == "DisaggPool"
+    assert router["readinessProbe"]["httpGet"]["path"] == "/readyz?exclude=leader"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in router[
+        "env"
+    ]
     # The frontdoor mode's replicas all route (a Service spreads requests): no election.
     pool, spec = _spec(router={"replicas": replicas})
     assert "leader_election" not in yaml.safe_load(render_router_config(pool, spec))
+
+
+def test_the_pools_lease_timings_reach_each_replicas_elector() -> None:
+    """`router.leaderElection` sets the Lease's timings in every replica's config; a field left
+    out keeps the sidecar's default."""
+    timings = {"leaseDurationSeconds": 20, "retryPeriodSeconds": 0.5}
+    pool, spec = _spec(router={**GATEWAY, "replicas": 2, "leaderElection": timings})
+    config = yaml.safe_load(render_router_config(pool, spec))
+    parsed = parse_config(config, "sidecar.yaml").leader_election
+    assert parsed is not None
+    assert parsed.timings == LeaseTimings(20, LeaseTimings().renew_deadline_s, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("router", "field", "words"),
+    [
+        # Two replicas could both lead: the holder would step down after the Lease ran out.
+        (
+            {**GATEWAY, "replicas": 2, "leaderElection": {"leaseDurationSeconds": 8}},
+            "router.leaderElection.renewDeadlineSeconds",
+            "shorter than leaseDurationSeconds",
+        ),
+        (
+            {**GATEWAY, "leaderElection": {"renewDeadlineSeconds": 3, "retryPeriodSeconds": 3}},
+            "router.leaderElection.retryPeriodSeconds",
+            "shorter than renewDeadlineSeconds",
+        ),
+        (
+            {**GATEWAY, "leaderElection": {"leaseDurationSeconds": 7.5}},
+            "router.leaderElection.leaseDurationSeconds",
+            "integer",
+        ),
+        # Replicas that never elect: every front-door replica routes; so do shared-books ones.
+        ({"replicas": 2, "leaderElection": {}}, "router.leaderElection", "gateway-mode"),
+        (
+            {
+                **GATEWAY,
+                "replicas": 2,
+                "sharedBooks": {"natsUrl": "nats://nats:4222", "tokenSecret": {"name": "t"}},
+                "leaderElection": {"leaseDurationSeconds": 6},
+            },
+            "router.leaderElection",
+            "without sharedBooks",
+        ),
+    ],
+)
+def test_lease_timings_that_could_not_work_or_would_do_nothing_are_refused(
+    router: dict[str, Any], field: str, words: str
+) -> None:
+    _assert_refused(router, field, words)

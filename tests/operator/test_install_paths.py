@@ -64,11 +64,14 @@ def test_the_crd_schema_catches_what_it_claims_to() -> None:
     bad["spec"]["prefill"]["gpus"] = -1  # 0 is a CPU engine
     bad["spec"]["router"]["sloClasses"][0]["ttftSeconds"] = 0
     del bad["spec"]["model"]["name"]
+    bad["spec"]["router"]["leaderElection"] = {"leaseDurationSeconds": 0, "retryPeriodSeconds": 0}
     errors = {".".join(map(str, e.absolute_path)) for e in validator.iter_errors(bad)}
     assert errors == {
         "spec.prefill.gpus",
         "spec.router.sloClasses.0.ttftSeconds",
         "spec.model",
+        "spec.router.leaderElection.leaseDurationSeconds",
+        "spec.router.leaderElection.retryPeriodSeconds",
     }
 
 

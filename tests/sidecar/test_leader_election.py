@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from k8s_cluster import Cluster, require_k8s, running_cluster
 
 from disaggpool.core.lease import LeaseTimings
+from disaggpool.errors import InputError
 from disaggpool.kubeclient import ApiError, Kube, load_credentials, path_for
 from disaggpool.sidecar.app import start_sidecar
-from disaggpool.sidecar.config import LeaderElectionConfig, parse_config
+from disaggpool.sidecar.config import LeaderElectionConfig, LeaderEndpoints, parse_config
 from disaggpool.sidecar.leader import LeaderElector
 
 NS = "default"
@@ -98,10 +99,12 @@ class FaultyKube(Kube):
 class Replica:
     """One elector and its loop (what the sidecar's supervisor runs), stoppable as a kill."""
 
-    def __init__(self, cluster: Cluster, lease: str, identity: str) -> None:
+    def __init__(
+        self, cluster: Cluster, lease: str, identity: str, endpoints: LeaderEndpoints | None = None
+    ) -> None:
         self.kube = FaultyKube(cluster)
         self.service = FakeService()
-        config = LeaderElectionConfig(NS, lease, identity, FAST)
+        config = LeaderElectionConfig(NS, lease, identity, FAST, endpoints)
         self.elector = LeaderElector(config, self.service, kube=lambda: self.kube)  # type: ignore[arg-type]
         self._task: asyncio.Task[None] | None = None
 
@@ -335,6 +338,113 @@ async def test_a_leader_whose_lease_was_taken_steps_down(cluster: Cluster) -> No
         assert a.service.standby == f"standby: lease {NS}/taken held by intruder"
 
 
+async def _apply_empty_endpoints(cluster: Cluster, name: str) -> None:
+    """A Service without a selector and its Endpoints, empty: what the operator renders."""
+    kube = Kube(load_credentials(str(cluster.kubeconfig)))
+    try:
+        ports = [{"name": "http", "port": 8000}, {"name": "grpc-epp", "port": 9002}]
+        service = {"metadata": {"name": name}, "spec": {"ports": ports}}
+        await kube.create(path_for("v1", "Service", NS), service)
+        await kube.create(path_for("v1", "Endpoints", NS), {"metadata": {"name": name}})
+    finally:
+        await kube.close()
+
+
+async def _pointed_at(cluster: Cluster, name: str) -> tuple[dict[str, Any], list[str]]:
+    """The Endpoints `name`, and the addresses of the EndpointSlices the controller manager
+    mirrors from them (what kube-proxy of 1.20 reads)."""
+    kube = Kube(load_credentials(str(cluster.kubeconfig)))
+    try:
+        ep = await kube.get(path_for("v1", "Endpoints", NS, name)) or {}
+        slices = await kube.list(
+            f"/apis/discovery.k8s.io/v1beta1/namespaces/{NS}/endpointslices",
+            {"kubernetes.io/service-name": name},
+        )
+    finally:
+        await kube.close()
+    mirrored = [a for sl in slices for e in sl.get("endpoints") or [] for a in e["addresses"]]
+    return ep, mirrored
+
+
+def _addresses(ep: dict[str, Any]) -> list[str]:
+    return [a["ip"] for sub in ep.get("subsets") or [] for a in sub.get("addresses") or []]
+
+
+async def _settle(cluster: Cluster, name: str, ip: str) -> dict[str, Any]:
+    """The Endpoints `name` once they, and their mirrored slice, hold `ip` alone."""
+    deadline = time.monotonic() + 30  # the mirroring controller syncs within seconds
+    while True:
+        ep, mirrored = await _pointed_at(cluster, name)
+        if _addresses(ep) == [ip] and mirrored == [ip]:
+            return ep
+        assert time.monotonic() < deadline, (ip, ep, mirrored)
+        await asyncio.sleep(0.2)
+
+
+def _endpoints(name: str, address: str) -> LeaderEndpoints:
+    return LeaderEndpoints(name, (("http", 8000), ("grpc-epp", 9002)), address)
+
+
+@pytest.mark.parametrize(
+    ("address", "pod_ip", "words"),
+    [("", None, "not set, and $POD_IP is unset"), ("", "pod", "not an IP address: 'pod'"),
+     ("198.18.0.300", None, "not an IP address")],
+)  # fmt: skip
+def test_an_address_that_is_no_ip_is_refused_at_start(
+    address: str, pod_ip: str | None, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if pod_ip is None:
+        monkeypatch.delenv("POD_IP", raising=False)
+    else:
+        monkeypatch.setenv("POD_IP", pod_ip)
+    config = LeaderElectionConfig(NS, "l", "a", FAST, _endpoints("r", address))
+    with pytest.raises(InputError, match=r"leader_election\.endpoints\.address") as err:
+        LeaderElector(config, FakeService())  # type: ignore[arg-type]
+    assert words in str(err.value)
+
+
+@pytest.mark.asyncio
+async def test_the_leader_points_the_services_endpoints_at_itself(cluster: Cluster) -> None:
+    """With `endpoints`, the traffic follows the Lease: the leader writes its address into the
+    selector-less Service's Endpoints (mirrored into an EndpointSlice for kube-proxy), and the
+    replica that takes over from a dead leader writes its own."""
+    await _apply_empty_endpoints(cluster, "routers")
+    a = Replica(cluster, "pointed", "a", _endpoints("routers", "198.18.0.11"))
+    b = Replica(cluster, "pointed", "b", _endpoints("routers", "198.18.0.12"))
+    try:
+        await lead_and_stand_by(a, b)
+        ep = await _settle(cluster, "routers", "198.18.0.11")
+        (subset,) = ep["subsets"]
+        assert {(p["name"], p["port"]) for p in subset["ports"]} == {
+            ("http", 8000), ("grpc-epp", 9002),
+        }  # fmt: skip
+        assert subset["addresses"][0]["targetRef"]["kind"] == "Pod"
+        assert a.errors == 0.0 and b.errors == 0.0  # the standby wrote nothing
+        await a.kill()
+        await until(lambda: b.elector.leading, "b to take over", 15)
+        await _settle(cluster, "routers", "198.18.0.12")
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_endpoints_that_cannot_be_written_are_counted_and_written_once_they_can(
+    cluster: Cluster,
+) -> None:
+    """The Lease is held either way: a leader whose Endpoints are missing keeps leading, counts
+    each failed write, and points them at itself at a later renewal once they exist."""
+    a = Replica(cluster, "unpointed", "a", _endpoints("later", "198.18.0.13"))
+    try:
+        a.start()
+        await until(lambda: a.elector.leading and a.errors >= 2, "a to lead, unpointed", 10)
+        await _apply_empty_endpoints(cluster, "later")
+        await _settle(cluster, "later", "198.18.0.13")
+        assert a.elector.leading
+    finally:
+        await a.close()
+
+
 @pytest.mark.asyncio
 async def test_the_sidecar_stands_by_until_it_leads_and_hands_over_on_drain(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
@@ -372,15 +482,22 @@ async def test_the_sidecar_stands_by_until_it_leads_and_hands_over_on_drain(
     try:
         async with aiohttp.ClientSession() as http:
 
-            async def readyz(url: str) -> str:
-                async with http.get(f"{url}/readyz") as r:
-                    return str((await r.json())["status"])
+            async def readyz(url: str, query: str = "") -> str:
+                async with http.get(f"{url}/readyz{query}") as r:
+                    body = await r.json()
+                    return str(body.get("status") or body.get("error"))
 
             assert a.leader is not None and b.leader is not None
             await until(lambda: a.leader.leading or b.leader.leading, "a leader", 10)  # type: ignore[union-attr]
             lead, stand = (a, b) if a.leader.leading else (b, a)
             await until(lambda: "held by" in stand.service.standby, "the other to stand by", 10)
             assert (await readyz(stand.url)).startswith(f"standby: lease {NS}/sidecars held by")
+            # The kubelet's check where the leader steers traffic by Endpoints leaves out the
+            # leadership: the standby is then as ready as its pool (here: no pod, so not).
+            assert (
+                await readyz(stand.url, "?exclude=leader")
+            ) == "no healthy prefill or decode pod"
+            assert (await readyz(stand.url, "?exclude=etcd")).startswith("exclude: no such check")
             assert not (await readyz(lead.url)).startswith("standby")  # no pods: 503 for that
             assert "leader_election" in lead.supervisor.states()
             await lead.drain()  # SIGTERM: release first, then close

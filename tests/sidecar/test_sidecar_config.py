@@ -363,6 +363,12 @@ def test_leader_election_defaults_and_fields() -> None:
     le = cfg.leader_election
     assert le is not None and le.identity == "r-0" and le.timings.retry_period_s == 0.5
     assert parse_config(BASE).leader_election is None
+    endpoints = {"name": "llama-router", "ports": {"http": 8000, "grpc-epp": 9002}}
+    cfg = parse_config({**BASE, "leader_election": {**LEASE, "endpoints": endpoints}})
+    le = cfg.leader_election
+    assert le is not None and le.endpoints is not None
+    assert le.endpoints.ports == (("http", 8000), ("grpc-epp", 9002))
+    assert le.endpoints.address == ""  # $POD_IP, read by the elector at start
 
 
 @pytest.mark.parametrize(
@@ -380,6 +386,23 @@ def test_leader_election_defaults_and_fields() -> None:
         ({"renew_deadline_s": 15}, "leader_election.renew_deadline_s: must be shorter than"),
         ({"retry_period_s": 10}, "leader_election.retry_period_s: must be positive and shorter"),
         ({"renew_s": 3}, "leader_election.renew_s: unknown field"),
+        ({"endpoints": {"name": "r"}}, "leader_election.endpoints.ports: must be a mapping"),
+        (
+            {"endpoints": {"name": "r", "ports": {}}},
+            "leader_election.endpoints.ports: name at least one",
+        ),
+        (
+            {"endpoints": {"name": "r", "ports": {"http": 70000}}},
+            "leader_election.endpoints.ports.http: not a port",
+        ),
+        (
+            {"endpoints": {"name": "R", "ports": {"http": 8000}}},
+            "leader_election.endpoints.name: not a Kubernetes object name",
+        ),
+        (
+            {"endpoints": {"name": "r", "ports": {"http": 8000}, "ip": "1.2.3.4"}},
+            "leader_election.endpoints.ip: unknown field",
+        ),
     ],
 )
 def test_bad_leader_election_names_the_field(patch: dict[str, Any], message: str) -> None:

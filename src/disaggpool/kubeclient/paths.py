@@ -17,6 +17,7 @@ __all__ = ["matches", "parse_selector", "path_for", "pod_ready", "selector_param
 _PLURALS = {
     "ConfigMap": "configmaps",
     "Service": "services",
+    "Endpoints": "endpoints",
     "ServiceAccount": "serviceaccounts",
     "Pod": "pods",
     "Event": "events",

@@ -36,6 +36,7 @@ from disaggpool.operator.names import (
     pool_labels,
     profile_configmap_name,
     router_lease_name,
+    router_name,
     service_account_name,
 )
 from disaggpool.operator.spec import PoolSpec
@@ -96,7 +97,8 @@ ROUTER_RULES: list[dict[str, Any]] = [
 
 
 def router_rules(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
-    """The router's Role: `ROUTER_RULES`; with `router.active_passive`, its leader Lease; and,
+    """The router's Role: `ROUTER_RULES`; with `router.active_passive`, its leader Lease and a
+    merge-patch of its Service's Endpoints; and,
     when it reports to the operator (a decode recommendation, drift errors: sidecar.pool_writer),
     a merge-patch of its own pool's status subresource and nothing else: no verb on the pool
     itself, whose spec the operator deploys."""
@@ -109,6 +111,15 @@ def router_rules(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         # ...and create it, the first replica up: Kubernetes cannot narrow `create` by name, so
         # this lets the router create other Leases in its namespace (never read or change them).
         rules.append({**lease, "verbs": ["create"]})
+        # The leader points its Service's Endpoints (which the operator creates) at itself.
+        rules.append(
+            {
+                "apiGroups": [""],
+                "resources": ["endpoints"],
+                "resourceNames": [router_name(pool)],
+                "verbs": ["patch"],
+            }
+        )
     if writes_status(spec):
         rules.append(
             {

@@ -66,6 +66,7 @@ _MANAGED = {MANAGED_BY_LABEL: MANAGED_BY}
 _PRUNABLE = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
+    ("v1", "Endpoints"),
     ("v1", "ConfigMap"),
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
@@ -111,6 +112,10 @@ def _ident(obj: Mapping[str, Any]) -> str:
 
 def _update_patch(desired: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
     patch: dict[str, Any] = json.loads(json.dumps(desired))
+    if desired.get("kind") == "Service" and "selector" not in patch["spec"]:
+        # An active/passive router's Service has none (its leader writes the Endpoints): a merge
+        # patch must remove the one it had.
+        patch["spec"]["selector"] = None
     if desired.get("kind") == "Deployment":
         cur = ((current.get("spec") or {}).get("template") or {}).get("spec") or {}
         new = patch["spec"]["template"]["spec"]

@@ -20,6 +20,7 @@ token.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -392,8 +393,8 @@ def render_router_config(pool: PoolRef, spec: PoolSpec) -> str:
         **({"kv_events": {"port": KV_EVENTS_PORT}} if r.kv_events else {}),
         **({"shared_books": _shared_books_config(r.shared_books)} if r.shared_books else {}),
         # One picker routes, the others stand by (RouterSpec.active_passive); each replica is
-        # named by its pod's name and the timings are the sidecar's defaults.
-        **({"leader_election": _leader_election(pool)} if r.active_passive else {}),
+        # named by its pod's name; the timings are `router.leaderElection`'s or the sidecar's.
+        **({"leader_election": _leader_election(pool, spec)} if r.active_passive else {}),
         **({"gateway": gateway} if gateway else {}),
         **({"autoscaling": _autoscaling_config(pool, spec)} if spec.autoscaling.enabled else {}),
         **({"drift": drift} if watches_drift(spec) else {}),
@@ -433,8 +434,20 @@ def _shared_books_config(books: SharedBooksSpec) -> dict[str, str]:
     }
 
 
-def _leader_election(pool: PoolRef) -> dict[str, str]:
-    return {"namespace": pool.namespace, "name": router_lease_name(pool)}
+def _leader_election(pool: PoolRef, spec: PoolSpec) -> dict[str, Any]:
+    """The pool's Lease, `router.leaderElection`'s timings where given (else the sidecar's
+    defaults apply), and the router Service's Endpoints, which the leader writes."""
+    lease: dict[str, Any] = {"namespace": pool.namespace, "name": router_lease_name(pool)}
+    if spec.router.lease_timings is not None:
+        lease.update(dataclasses.asdict(spec.router.lease_timings))
+    # The Service's Endpoints, by its port names: the leader points them at itself ($POD_IP).
+    ports, service_ports = _router_ports(spec)
+    number = {p["name"]: p["containerPort"] for p in ports}
+    lease["endpoints"] = {
+        "name": router_name(pool),
+        "ports": {p["name"]: number[p["targetPort"]] for p in service_ports},
+    }
+    return lease
 
 
 def _pool_ref(pool: PoolRef) -> dict[str, str]:
@@ -492,15 +505,12 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
         if ref:  # one of the two (spec.py)
             volumes.append(_secret_volume("nats-auth", ref.name, ref.key, file))
             mounts.append({"name": "nats-auth", "mountPath": NATS_AUTH_DIR, "readOnly": True})
-    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
-    service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
-    if spec.router.grpc_exposed:  # else gRPC listens on the pod's loopback: nothing to expose
-        ports.insert(0, {"name": "grpc", "containerPort": ROUTER_GRPC_PORT})
-        service_ports.insert(0, {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"})
-    if spec.router.gateway:  # the endpoint picker's port, which the InferencePool names
-        container_port, service_port = router_ports()
-        ports.append(container_port)
-        service_ports.append(service_port)
+    ports, service_ports = _router_ports(spec)
+    # Active/passive: every healthy replica is Ready (a Deployment counts only Ready pods, so
+    # standbys that never are would stall each rollout); the leader steers the traffic by
+    # pointing the selector-less Service's Endpoints at its own address (sidecar.leader).
+    ready_path = "/readyz?exclude=leader" if spec.router.active_passive else "/readyz"
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -535,7 +545,8 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
                             # The startup probe gives the process a minute to come up.
                             "startupProbe": _probe("/livez", "http", 2, 30),
                             "livenessProbe": _probe("/livez", "http", 10, 3),
-                            "readinessProbe": _probe("/readyz", "http", 5, 3),
+                            "readinessProbe": _probe(ready_path, "http", 5, 3),
+                            **({"env": env} if spec.router.active_passive else {}),
                             "resources": resources,
                             "securityContext": container_security_context(),
                             "volumeMounts": mounts,
@@ -546,21 +557,43 @@ def _router_objects(pool: PoolRef, spec: PoolSpec) -> list[dict[str, Any]]:
             },
         },
     }
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": name, "labels": labels},
-            "data": {ROUTER_CONFIG_KEY: config},
-        },
-        deployment,
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {"selector": selector, "ports": service_ports},
-        },
-    ]
+    service: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"selector": selector, "ports": service_ports},
+    }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "labels": labels},
+        "data": {ROUTER_CONFIG_KEY: config},
+    }
+    if not spec.router.active_passive:
+        return [config_map, deployment, service]
+    del service["spec"]["selector"]  # the leader writes its Endpoints instead
+    # Created empty and owned by the pool (so it goes with it); the leader fills in its address.
+    endpoints = {
+        "apiVersion": "v1",
+        "kind": "Endpoints",
+        "metadata": {"name": name, "labels": labels},
+    }
+    return [config_map, deployment, service, endpoints]
+
+
+def _router_ports(spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The router container's ports and its Service's (each Service port targets the container
+    port of its own name)."""
+    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_HTTP_PORT}]
+    service_ports = [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]
+    if spec.router.grpc_exposed:  # else gRPC listens on the pod's loopback: nothing to expose
+        ports.insert(0, {"name": "grpc", "containerPort": ROUTER_GRPC_PORT})
+        service_ports.insert(0, {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"})
+    if spec.router.gateway:  # the endpoint picker's port, which the InferencePool names
+        container_port, service_port = router_ports()
+        ports.append(container_port)
+        service_ports.append(service_port)
+    return ports, service_ports
 
 
 def render_pool(

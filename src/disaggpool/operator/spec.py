@@ -23,6 +23,7 @@ from typing import Any
 from disaggpool.core.autoscaling import MAX_HEADROOM
 from disaggpool.core.contracts import SLOClass
 from disaggpool.core.demand import BURST_WINDOW_DEFAULT_S, BURST_WINDOW_MIN_S
+from disaggpool.core.lease import LeaseTimings
 from disaggpool.core.policies.registry import (
     CALIBRATED_FAMILY,
     DECODE_BINDINGS,
@@ -218,6 +219,8 @@ class RouterSpec:
     grpc_open: bool = False
     mode: str = "frontdoor"  # ROUTER_MODES
     shared_books: SharedBooksSpec | None = None
+    # `router.leaderElection`: the active/passive replicas' Lease timings; None: the sidecar's.
+    lease_timings: LeaseTimings | None = None
 
     @property
     def grpc_exposed(self) -> bool:
@@ -343,6 +346,36 @@ def _shared_books(router: Section) -> SharedBooksSpec | None:
     if (token is None) == (credentials is None):
         sec.problem("tokenSecret", "set tokenSecret or credentialsSecret (one of them)")
     return SharedBooksSpec(url, token, credentials)
+
+
+#: `router.leaderElection`'s fields, by the sidecar's `leader_election` keys they set.
+_LEASE_FIELDS = {
+    "lease_duration_s": "leaseDurationSeconds",
+    "renew_deadline_s": "renewDeadlineSeconds",
+    "retry_period_s": "retryPeriodSeconds",
+}
+
+
+def _lease_timings(router: Section) -> LeaseTimings | None:
+    """``router.leaderElection``: the active/passive replicas' Lease timings, each defaulting to
+    the sidecar's, checked by the same rules (`LeaseTimings.problems`) under their CRD names."""
+    if "leaderElection" not in router:
+        return None
+    sec = router.section("leaderElection")
+    default = LeaseTimings()
+    timings = LeaseTimings(
+        # A Lease's leaseDurationSeconds is a whole number of seconds.
+        lease_duration_s=sec.integer("leaseDurationSeconds", int(default.lease_duration_s)),
+        renew_deadline_s=sec.number(
+            "renewDeadlineSeconds", default.renew_deadline_s, positive=True
+        ),
+        retry_period_s=sec.number("retryPeriodSeconds", default.retry_period_s, positive=True),
+    )
+    for key, why in timings.problems():
+        for snake, camel in _LEASE_FIELDS.items():
+            why = why.replace(snake, camel)
+        sec.problem(_LEASE_FIELDS[key], f"{why}, got {getattr(timings, key):g}")
+    return timings
 
 
 _PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
@@ -548,7 +581,15 @@ def parse_spec(
         grpc_open=rt.section("grpc").boolean("allowUnauthenticated", False),
         mode=rt.string("mode", default_mode),
         shared_books=_shared_books(rt),
+        lease_timings=_lease_timings(rt),
     )
+    if router.lease_timings is not None and not (router.gateway and router.shared_books is None):
+        # Only gateway-mode replicas without shared books elect a leader (`active_passive`); with
+        # one replica the timings wait, unused, for `replicas` to grow.
+        rt.problem(
+            "leaderElection",
+            "only gateway-mode replicas without sharedBooks elect a leader; remove it",
+        )
     if router.mode not in ROUTER_MODES:
         rt.problem("mode", f"must be frontdoor or gateway, got {router.mode!r}")
     elif router.gateway and not router.grpc_exposed:

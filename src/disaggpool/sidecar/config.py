@@ -53,6 +53,7 @@ __all__ = [
     "GrpcTLS",
     "KubernetesSource",
     "LeaderElectionConfig",
+    "LeaderEndpoints",
     "Member",
     "ReplicaBounds",
     "SharedBooksConfig",
@@ -200,6 +201,18 @@ class LeaderElectionConfig:
     name: str
     identity: str = ""  # "": the pod's name ($HOSTNAME, else the host name), "_", 8 hex digits
     timings: LeaseTimings = dataclasses.field(default_factory=LeaseTimings)
+    endpoints: LeaderEndpoints | None = None  # the Service's endpoints the leader writes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderEndpoints:
+    """``leader_election.endpoints``: the core/v1 Endpoints of a Service without a selector
+    (same namespace as the Lease), which the leader points at itself, so every healthy replica
+    can be Ready while only the leader gets traffic (CONFIG.md "Leader election")."""
+
+    name: str
+    ports: tuple[tuple[str, int], ...]  # (the Service's port name, this replica's port)
+    address: str = ""  # "": $POD_IP
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -542,10 +555,8 @@ def _leader_election(rd: FieldReader, raw: Any) -> LeaderElectionConfig:
     which must leave no moment where two replicas could both lead (`core.lease`)."""
     le = rd.mapping(raw, "leader_election")
     timing_keys = ("lease_duration_s", "renew_deadline_s", "retry_period_s")
-    rd.known(le, "leader_election", {"namespace", "name", "identity", *timing_keys})
-    name = rd.string(le.get("name"), "leader_election.name")
-    if len(name) > 253 or not all(c.isalnum() or c in "-." for c in name) or name != name.lower():
-        raise rd.fail("leader_election.name", f"not a Kubernetes object name: {name!r}")
+    rd.known(le, "leader_election", {"namespace", "name", "identity", "endpoints", *timing_keys})
+    name = _object_name(rd, le.get("name"), "leader_election.name")
     default = LeaseTimings()
     timings = LeaseTimings(
         *(
@@ -565,7 +576,34 @@ def _leader_election(rd: FieldReader, raw: Any) -> LeaderElectionConfig:
         name=name,
         identity=identity,
         timings=timings,
+        endpoints=_leader_endpoints(rd, le["endpoints"]) if "endpoints" in le else None,
     )
+
+
+def _object_name(rd: FieldReader, raw: Any, path: str) -> str:
+    name = rd.string(raw, path)
+    if len(name) > 253 or not all(c.isalnum() or c in "-." for c in name) or name != name.lower():
+        raise rd.fail(path, f"not a Kubernetes object name: {name!r}")
+    return name
+
+
+def _leader_endpoints(rd: FieldReader, raw: Any) -> LeaderEndpoints:
+    """``leader_election.endpoints``: the Endpoints' name, its ports by the Service's port
+    names (at least one), and this replica's address (default ``$POD_IP``, read at start)."""
+    at = "leader_election.endpoints"
+    ep = rd.mapping(raw, at)
+    rd.known(ep, at, {"name", "ports", "address"})
+    ports = rd.mapping(ep.get("ports"), f"{at}.ports")
+    if not ports:
+        raise rd.fail(f"{at}.ports", "name at least one port: {service port name: number}")
+    pairs = []
+    for port_name, number in ports.items():
+        rd.string(port_name, f"{at}.ports")
+        pairs.append((str(port_name), rd.integer(number, f"{at}.ports.{port_name}")))
+        if pairs[-1][1] > 65535:
+            raise rd.fail(f"{at}.ports.{port_name}", f"not a port: {number}")
+    address = rd.string(ep["address"], f"{at}.address") if "address" in ep else ""
+    return LeaderEndpoints(_object_name(rd, ep.get("name"), f"{at}.name"), tuple(pairs), address)
 
 
 def _subject_token(name: str) -> str:

@@ -10,7 +10,8 @@ its TTFT anyway) on top of the client's, which is forwarded only with `forward_c
 
 With `auth.api_keys_file`, ``/v1/*`` needs ``Authorization: Bearer <key>`` (vLLM's `--api-key`
 rule); the probes (`/livez`: the process and its supervised loops; `/readyz` and `/health`: the pool
-usable, not draining, not standing by) and `/metrics` stay open, as vLLM's do. Too many requests in
+usable, not draining, not standing by unless `?exclude=leader`) and `/metrics` stay open, as
+vLLM's do. Too many requests in
 flight -> 429 with Retry-After; no healthy pod -> 503 with Retry-After; every request ends in a
 response or an error and is counted.
 """
@@ -112,13 +113,25 @@ class FrontDoor:
         return web.json_response(body, status=200 if alive else 503)
 
     async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness: healthy pods of both roles, not draining, and leading where replicas
+        elect a leader; ``?exclude=leader`` (Kubernetes' own ``/readyz?exclude=`` convention)
+        leaves out the last, for the kubelet where the leader steers traffic by the Service's
+        Endpoints (`sidecar.leader`): a healthy standby is then Ready, so rollouts proceed."""
+        excluded = set(request.query.getall("exclude", []))
+        if not excluded <= {"leader"}:
+            unknown = ", ".join(sorted(excluded - {"leader"}))
+            return web.json_response(
+                {"error": f"exclude: no such check {unknown!r}; the one that may be left out "
+                 "is 'leader'"}, status=400,
+            )  # fmt: skip
+        standby = self.service.standby if "leader" not in excluded else ""
         ok = self.service.healthy_pods()
-        serving = not self.service.draining and not self.service.standby
+        serving = not self.service.draining and not standby
         status = 200 if ok["prefill"] and ok["decode"] and serving else 503
         if self.service.draining:
             why = "draining: shutting down"
-        elif self.service.standby:
-            why = self.service.standby  # another replica leads (sidecar.leader)
+        elif standby:
+            why = standby  # another replica leads (sidecar.leader)
         else:
             why = "ok" if status == 200 else "no healthy prefill or decode pod"
         body = {

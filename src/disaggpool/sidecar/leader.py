@@ -8,23 +8,34 @@ standby). It handles the API server's errors itself, so the period never grows w
 supervisor's backoff: a leader whose renewals have failed for `renew_deadline_s` steps down at
 that step, and a request still hanging then is cut off at the deadline.
 
-Standing by means: `service.standby` says why, and the readiness the pool's traffic follows
-fails (`/readyz`, the gRPC health service, the picker's ``readiness`` and ext_proc health), so
-the Service and the InferencePool send nothing here; liveness stays up, the collectors keep the
-pool's view warm, and the pool writer writes nothing (one replica writes the pool's status). A
-request that still reaches a standby (sent before its readiness was seen to fail) is answered,
-not refused: readiness is the one switch. `release` (SIGTERM) writes the Lease free before the
-drain, so a standby takes over at its next try rather than after the lease runs out.
+Standing by means: `service.standby` says why, and the readiness that says "this replica
+routes" fails (`/readyz`, the gRPC health service, the picker's ``readiness`` and ext_proc
+health); liveness stays up, the collectors keep the pool's view warm, and the pool writer writes
+nothing (one replica writes the pool's status). A request that still reaches a standby is
+answered, not refused. `release` (SIGTERM) writes the Lease free before the drain, so a standby
+takes over at its next try rather than after the lease runs out.
+
+Which replica gets the traffic: with ``endpoints`` (what the operator renders), the leader points
+the Endpoints of a Service without a selector at itself, once per term (again at each renewal
+until a write succeeds), and the kubelet's probe reads `/readyz?exclude=leader`, so every healthy
+replica is Ready. Decision: readiness alone cannot steer the traffic, because a Deployment counts
+only Ready pods as available: standbys that are never Ready stall every rolling update (the new
+pods wait for the old leader to go, which waits for them to be Ready) and the Deployment never
+reports its rollout complete. Without ``endpoints`` (a Service whose selector follows readiness),
+the readiness above is the switch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import ipaddress
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from prometheus_client import Counter, Gauge
@@ -38,9 +49,10 @@ from disaggpool.core.lease import (
     renewal_overdue,
     taken,
 )
+from disaggpool.errors import InputError
 from disaggpool.kubeclient import ApiError, Kube, KubeUnavailable, path_for
 from disaggpool.sidecar.book_bus import replica_name
-from disaggpool.sidecar.config import LeaderElectionConfig
+from disaggpool.sidecar.config import LeaderElectionConfig, LeaderEndpoints
 from disaggpool.sidecar.service import RoutingService
 
 __all__ = ["LeaderElector", "default_identity"]
@@ -86,6 +98,8 @@ class LeaderElector:
         self.leading = False
         self.lease = f"{config.namespace}/{config.name}"
         self._path = path_for(_API, "Lease", config.namespace, config.name)
+        self._endpoints = _endpoints_patch(config) if config.endpoints is not None else None
+        self._endpoints_pointed = False  # this term's Endpoints write succeeded
         registry = service.metrics.registry
         self.gauge = Gauge(
             "disaggpool_leader", "1 while this replica holds the leader Lease and routes",
@@ -160,6 +174,25 @@ class LeaderElector:
             self._last_error = ""
         if not self.leading and not self._stopped:
             self._lead()
+        if self.leading and self._endpoints is not None and not self._endpoints_pointed:
+            await self._point_endpoints(kube, self._endpoints)
+
+    async def _point_endpoints(self, kube: Kube, patch: dict[str, Any]) -> None:
+        """Point the Service's Endpoints at this replica; a failure is counted and logged, and
+        the next renewal tries again (the Lease is held either way)."""
+        ep = self.config.endpoints
+        assert ep is not None
+        try:
+            await kube.merge_patch(
+                path_for("v1", "Endpoints", self.config.namespace, ep.name), patch
+            )
+        except _ERRORS as exc:
+            self._failed(exc)
+            return
+        self._endpoints_pointed = True
+        address = patch["subsets"][0]["addresses"][0]["ip"]
+        log.info("endpoints %s/%s point at %s: traffic comes here", self.config.namespace,
+                 ep.name, address)  # fmt: skip
 
     # ------------------------------------------------------------------ transitions
     def _lead(self) -> None:
@@ -174,6 +207,7 @@ class LeaderElector:
 
     def _step_down(self, why: str) -> None:
         self.leading = False
+        self._endpoints_pointed = False  # whoever leads next writes them
         self.gauge.set(0)
         self.service.standby = f"standby: lease {self.lease} lost ({why})"
         log.warning("lease %s: %s steps down: %s; standing by", self.lease, self.identity, why)
@@ -208,3 +242,19 @@ class LeaderElector:
     async def close(self) -> None:
         if self._kube is not None:
             await self._kube.close()  # closes only a session of its own
+
+
+def _endpoints_patch(config: LeaderElectionConfig) -> dict[str, Any]:
+    """The merge patch that points `config.endpoints` at this replica (its address, and its pod
+    by name, as the endpoints controller would write it)."""
+    ep: LeaderEndpoints | None = config.endpoints
+    assert ep is not None
+    address = ep.address or os.environ.get("POD_IP", "")
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        why = f"not an IP address: {address!r}" if address else "not set, and $POD_IP is unset"
+        raise InputError("the sidecar's config", "leader_election.endpoints.address", why) from None
+    target = {"kind": "Pod", "namespace": config.namespace, "name": replica_name()}
+    ports = [{"name": name, "port": port, "protocol": "TCP"} for name, port in ep.ports]
+    return {"subsets": [{"addresses": [{"ip": address, "targetRef": target}], "ports": ports}]}
