@@ -162,6 +162,65 @@ async def test_gateway_mode_renders_the_inference_pool_and_frontdoor_removes_it(
 
 
 @pytest.mark.asyncio
+async def test_replicated_routers_get_a_service_whose_endpoints_their_leader_writes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two gateway-mode routers (active/passive): the operator takes the selector off their
+    Service and creates its Endpoints, owned by the pool, for the leader to fill in; back to
+    one router, the selector returns and the operator prunes its Endpoints (the endpoints
+    controller keeps its own)."""
+    token = cluster.sa_token("disaggpool-system", "disaggpool-operator")
+    log = tmp_path / "operator.log"
+    proc = await start_operator(cluster.kubeconfig_for(tmp_path / "operator", token), log)
+
+    def owners() -> list[str]:
+        ep = _get(cluster, "endpoints", "ha-router") or {}
+        return [o["kind"] for o in ep.get("metadata", {}).get("ownerReferences") or []]
+
+    def replicas(n: int) -> None:
+        patch = {"spec": {"router": {"replicas": n}}}
+        cluster.kubectl("patch", "dpool", "ha", "-n", NS, "--type=merge", "-p", json.dumps(patch))
+
+    try:
+        cluster.kubectl("apply", "-f", "-", stdin=_pool("ha", **GATEWAY))
+
+        async def selected() -> bool:
+            service = _get(cluster, "service", "ha-router")
+            return service is not None and "selector" in service["spec"]
+
+        await eventually(selected, "the router Service, with a selector", 60, 0.5, log)
+        replicas(2)
+
+        async def led() -> bool:
+            return "selector" not in _get(cluster, "service", "ha-router")["spec"] and (
+                owners() == ["DisaggPool"]
+            )
+
+        await eventually(led, "a selector-less Service and the pool's Endpoints", 60, 0.5, log)
+        role = _get(cluster, "role", "ha-router")
+        assert {
+            "apiGroups": [""],
+            "resources": ["endpoints"],
+            "resourceNames": ["ha-router"],
+            "verbs": ["patch"],
+        } in role["rules"]
+        config = _get(cluster, "configmap", "ha-router")["data"]["sidecar.yaml"]
+        assert "endpoints:" in config and "name: ha-router" in config
+        replicas(1)
+
+        async def back() -> bool:
+            service = _get(cluster, "service", "ha-router")
+            return "selector" in service["spec"] and "DisaggPool" not in owners()
+
+        await eventually(back, "the selector back, the pool's Endpoints pruned", 60, 0.5, log)
+        text = log.read_text(errors="replace")
+        assert "403" not in text and "Forbidden" not in text, text[-3000:]
+        assert proc.returncode is None
+    finally:
+        await stop(proc)
+
+
+@pytest.mark.asyncio
 async def test_without_the_inference_pool_crd_the_pool_runs_and_says_why(cluster: Cluster) -> None:
     """A cluster without GIE's CRD (this one, once the test removes it; run last): a gateway
     pool gets everything else and a CRDMissing warning, and pruning tolerates the missing kind."""
