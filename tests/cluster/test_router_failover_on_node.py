@@ -205,11 +205,7 @@ def test_a_config_change_rolls_both_replicas_and_loses_no_request(
     hand-over on SIGTERM keeps the Service answering throughout."""
     node.wait_for("a leader and a Ready standby", lambda: _one_leader(node), timeout=180)
     old = set(_routers(node))
-    (service,) = [
-        s for s in node.get("services", "-n", "default", "-l", f"disaggpool.io/pool={POOL}")[
-            "items"] if s["metadata"]["name"] == f"{POOL}-router"
-    ]  # fmt: skip
-    ip = service["spec"]["clusterIP"]
+    ip = node.get("service", "-n", "default", f"{POOL}-router")["spec"]["clusterIP"]
     outcomes: list[str] = []
     stop = threading.Event()
 

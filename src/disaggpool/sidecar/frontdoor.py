@@ -11,9 +11,8 @@ its TTFT anyway) on top of the client's, which is forwarded only with `forward_c
 With `auth.api_keys_file`, ``/v1/*`` needs ``Authorization: Bearer <key>`` (vLLM's `--api-key`
 rule); the probes (`/livez`: the process and its supervised loops; `/readyz` and `/health`: the pool
 usable, not draining, not standing by unless `?exclude=leader`) and `/metrics` stay open, as
-vLLM's do. Too many requests in
-flight -> 429 with Retry-After; no healthy pod -> 503 with Retry-After; every request ends in a
-response or an error and is counted.
+vLLM's do. Too many requests in flight -> 429 with Retry-After; no healthy pod -> 503 with
+Retry-After; every request ends in a response or an error and is counted.
 """
 
 from __future__ import annotations

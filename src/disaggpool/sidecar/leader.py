@@ -175,24 +175,18 @@ class LeaderElector:
         if not self.leading and not self._stopped:
             self._lead()
         if self.leading and self._endpoints is not None and not self._endpoints_pointed:
-            await self._point_endpoints(kube, self._endpoints)
+            await self._point_endpoints(kube, *self._endpoints)
 
-    async def _point_endpoints(self, kube: Kube, patch: dict[str, Any]) -> None:
+    async def _point_endpoints(self, kube: Kube, path: str, patch: dict[str, Any]) -> None:
         """Point the Service's Endpoints at this replica; a failure is counted and logged, and
         the next renewal tries again (the Lease is held either way)."""
-        ep = self.config.endpoints
-        assert ep is not None
         try:
-            await kube.merge_patch(
-                path_for("v1", "Endpoints", self.config.namespace, ep.name), patch
-            )
+            await kube.merge_patch(path, patch)
         except _ERRORS as exc:
             self._failed(exc)
             return
         self._endpoints_pointed = True
-        address = patch["subsets"][0]["addresses"][0]["ip"]
-        log.info("endpoints %s/%s point at %s: traffic comes here", self.config.namespace,
-                 ep.name, address)  # fmt: skip
+        log.info("endpoints %s point at this replica: traffic comes here", path)
 
     # ------------------------------------------------------------------ transitions
     def _lead(self) -> None:
@@ -244,9 +238,9 @@ class LeaderElector:
             await self._kube.close()  # closes only a session of its own
 
 
-def _endpoints_patch(config: LeaderElectionConfig) -> dict[str, Any]:
-    """The merge patch that points `config.endpoints` at this replica (its address, and its pod
-    by name, as the endpoints controller would write it)."""
+def _endpoints_patch(config: LeaderElectionConfig) -> tuple[str, dict[str, Any]]:
+    """The path of `config.endpoints` and the merge patch that points them at this replica (its
+    address, and its pod by name, as the endpoints controller would write it)."""
     ep: LeaderEndpoints | None = config.endpoints
     assert ep is not None
     address = ep.address or os.environ.get("POD_IP", "")
@@ -257,4 +251,5 @@ def _endpoints_patch(config: LeaderElectionConfig) -> dict[str, Any]:
         raise InputError("the sidecar's config", "leader_election.endpoints.address", why) from None
     target = {"kind": "Pod", "namespace": config.namespace, "name": replica_name()}
     ports = [{"name": name, "port": port, "protocol": "TCP"} for name, port in ep.ports]
-    return {"subsets": [{"addresses": [{"ip": address, "targetRef": target}], "ports": ports}]}
+    patch = {"subsets": [{"addresses": [{"ip": address, "targetRef": target}], "ports": ports}]}
+    return path_for("v1", "Endpoints", config.namespace, ep.name), patch
