@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from k8s_cluster import Cluster, require_k8s, running_cluster
 
-from disaggpool.core.lease import LeaseTimings
+from disaggpool.core.lease import LeaseTimings, micro_time
 from disaggpool.errors import InputError
 from disaggpool.kubeclient import ApiError, Kube, load_credentials, path_for
 from disaggpool.sidecar.app import start_sidecar
@@ -226,6 +227,29 @@ async def test_a_released_lease_is_taken_at_the_next_try(cluster: Cluster) -> No
         assert not a.elector.leading
         spec = await lease_spec(cluster, "released")
         assert spec["holderIdentity"] == "b" and spec["leaseTransitions"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_release_that_meets_its_own_renewal_frees_the_lease(cluster: Cluster) -> None:
+    """SIGTERM during a renewal: the renewal lands first, so the release's write, made at the
+    version the leader last knew, gets a 409. It reads the Lease again and, still the holder,
+    frees it at the new version (found through Envoy: the standby waited out a whole lease)."""
+    async with replicas(cluster, "renewed", "a", "b") as (a, b):
+        await lead_and_stand_by(a, b)
+        await a.kill()
+        kube = Kube(load_credentials(str(cluster.kubeconfig)))
+        try:  # a's renewal, in flight when the drain began, lands: a new resourceVersion
+            path = path_for(API, "Lease", NS, "renewed")
+            obj = await kube.get(path)
+            assert obj is not None and obj["spec"]["holderIdentity"] == "a"
+            obj["spec"]["renewTime"] = micro_time(dt.datetime.now(dt.UTC))
+            await kube.replace(path, obj)
+        finally:
+            await kube.close()
+        await a.elector.release()
+        took = await until(lambda: b.elector.leading, "b to take over", 10)
+        assert took <= FAST.retry_period_s + 0.5  # released, not run out
+        assert a.errors == 0.0
 
 
 @pytest.mark.asyncio

@@ -11,7 +11,10 @@ then the router filter to a cluster that sends each request where the picker sai
   decide is refused, never sent anywhere: docs/gateway.md says what the client gets);
 * the picker's cluster: HTTP/2 to its `listen.ext_proc` address, each stream carrying
   ``authorization: Bearer <token>`` when a token is given (the sidecar's `grpc.token_file`),
-  health-checked with the gRPC health service on the ext_proc service's name;
+  health-checked with the gRPC health service on the ext_proc service's name. `more_pickers`
+  lists further replicas: with active/passive pickers (docs/high-availability.md) only the
+  leader answers SERVING, so Envoy opens its streams there, and on the replica that takes over
+  within a health-check interval or two of the handover;
 * the pool: an ``ORIGINAL_DST`` cluster reading its destination from the request header
   ``x-gateway-destination-endpoint`` the picker sets (it must be an IP and a port);
 * an admin port, on loopback.
@@ -45,20 +48,43 @@ def envoy_config(
     listen_host: str = "127.0.0.1",
     epp_host: str = "127.0.0.1",
     epp_port: int = 9002,
+    more_pickers: Sequence[tuple[str, int]] = (),
     admin_port: int = 9901,
     token: str = "",
     route_timeout_s: float = 600.0,
     health_check: bool = True,
+    health_interval_s: float = 10.0,
     subset_hint: Sequence[str] | None = None,
     body_mode: str = "FULL_DUPLEX_STREAMED",
 ) -> dict[str, Any]:
     """The Envoy bootstrap (module docstring). `route_timeout_s`: the longest answer, keep it
     at the sidecar's `upstream_timeouts.total_s` (Envoy's own default of 15 s would cut long
     generations). `body_mode`: ``BUFFERED`` also works with the picker (Envoy then holds each
-    body whole, a streamed answer included, before passing it on)."""
+    body whole, a streamed answer included, before passing it on). `health_interval_s`: how
+    often Envoy asks each picker's health, so how soon it follows a handover."""
     if body_mode not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
         raise ValueError(f"body_mode: FULL_DUPLEX_STREAMED or BUFFERED, got {body_mode!r}")
-    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": "epp"}}
+    grpc_service: dict[str, Any] = {
+        "envoy_grpc": {"cluster_name": "epp"},
+        # A stream that never reached a picker (its connection refused: a picker just gone)
+        # is tried once more on another: nothing was decided, so nothing is decided twice.
+        "retry_policy": {
+            "retry_on": "connect-failure,refused-stream",
+            "num_retries": 1,
+            "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},  # not 1 s
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host."
+                        "previous_hosts.v3.PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 3,
+        },
+    }
+    interval = f"{health_interval_s:g}s"
     if token:
         grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {token}"}]
     ext_proc = {
@@ -137,15 +163,29 @@ def envoy_config(
         "load_assignment": {
             "cluster_name": "epp",
             "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _address(epp_host, epp_port)}}]}
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _address(host, port)}}
+                        for host, port in ((epp_host, epp_port), *more_pickers)
+                    ]
+                }
             ],
         },
     }
+    if more_pickers:
+        # A picker that refused a connection is left out at once, not after the health checks:
+        # the retry above then finds another.
+        epp["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "max_ejection_percent": 100,
+        }
     if health_check:
         epp["health_checks"] = [
             {
                 "timeout": "2s",
-                "interval": "10s",
+                "interval": interval,
+                "no_traffic_interval": interval,  # Envoy's default, 60 s, would hold a handover
                 "unhealthy_threshold": 3,
                 "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": EXT_PROC_SERVICE},

@@ -222,16 +222,37 @@ class LeaderElector:
         self.leading = False
         self.gauge.set(0)
         self.service.standby = f"standby: lease {self.lease} released"
-        body = lease_body(
-            released(self._record, self.wall()), self.config.namespace, self.config.name
-        )
         try:
             async with asyncio.timeout(self.timings.retry_period_s):
-                await self._kube.replace(self._path, body)
+                freed = await self._free(self._kube, self._record)
         except _ERRORS as exc:
             log.warning("lease %s: not released (%s); it runs out on its own", self.lease, exc)
             return
-        log.info("lease %s: released by %s", self.lease, self.identity)
+        if freed:
+            log.info("lease %s: released by %s", self.lease, self.identity)
+        else:
+            log.info("lease %s: held by another replica already; nothing to release", self.lease)
+
+    async def _free(self, kube: Kube, record: LeaseRecord) -> bool:
+        """Write `record` released; False when the Lease turned out not to be ours any more.
+
+        A 409 here is a renewal of ours that was in flight when SIGTERM came and wrote first
+        (seen on a busy host): read the Lease again and free it at its new version, once."""
+        try:
+            await kube.replace(self._path, self._released_body(record))
+            return True
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        obj = await kube.get(self._path)
+        current = parse_lease(obj) if obj is not None else None
+        if current is None or current.holder != self.identity:
+            return False
+        await kube.replace(self._path, self._released_body(current))
+        return True
+
+    def _released_body(self, record: LeaseRecord) -> dict[str, Any]:
+        return lease_body(released(record, self.wall()), self.config.namespace, self.config.name)
 
     async def close(self) -> None:
         if self._kube is not None:
