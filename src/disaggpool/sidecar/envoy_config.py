@@ -67,7 +67,8 @@ def envoy_config(
     grpc_service: dict[str, Any] = {
         "envoy_grpc": {"cluster_name": "epp"},
         # A stream that never reached a picker (its connection refused: a picker just gone)
-        # is tried once more on another: nothing was decided, so nothing is decided twice.
+        # is tried once more, on another where there is one: nothing was decided, so nothing
+        # is decided twice.
         "retry_policy": {
             "retry_on": "connect-failure,refused-stream",
             "num_retries": 1,
