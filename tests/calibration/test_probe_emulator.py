@@ -162,9 +162,10 @@ def test_a_batch_that_never_decodes_together_is_run_again_longer_not_timed_by_th
             )
         )
     report = result.report
-    assert report["samples"]["decode_timed_by_server"] == 0, report["samples"]
     # The batch of 32 long prompts was measured, with 48 tokens per stream (context 32 x
-    # (1536 + 48 / 2)), never with the first 24.
+    # (1536 + 48 / 2)), never with the first 24: no sample, client- or server-timed, from the
+    # run that never decoded together. (Other points may be server-timed once in a while: the
+    # probe's fallback for a client starved of CPU, as on a loaded test machine.)
     long32 = [k for b, k, _ in report["measurements"]["decode"] if b == 32 and k > 32 * 1536]
     assert long32 and set(long32) == {32 * (1536 + 24)}, long32
     got, true = dataclasses.astuple(result.profile.decode), dataclasses.astuple(FAST_STEPS.decode)
